@@ -1,0 +1,129 @@
+"""Command line: dflash-batch run | validate | status | schema."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections import Counter
+from pathlib import Path
+
+import click
+import orjson
+
+from dflash_batch.io.ledger import read_committed
+from dflash_batch.io.outputs import output_json_schema
+from dflash_batch.job import JobError, job_json_schema, load_job
+from dflash_batch.plan.shards import parse_shard, resolve_shard
+
+SCHEMA_DIR = Path(__file__).resolve().parent.parent / "schemas"
+EXIT_PREEMPTED = 143  # 128 + SIGTERM: Slurm's --requeue and wrappers read it as "terminated"
+
+
+def _fail(e: Exception) -> None:
+    click.echo(f"error: {e}", err=True)
+    sys.exit(2)
+
+
+def _table(header: list[str], rows: list[list]) -> str:
+    cells = [header] + [["-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
+                         for v in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+@click.group()
+@click.version_option(package_name="dflash-batch")
+def main() -> None:
+    """Offline batch generation with DFlash speculative decoding."""
+
+
+@main.command()
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@click.option("--shard", "shard_text", help="INDEX/COUNT; default: Slurm array variables, else 0/1.")
+@click.option("--output-dir", help="Override output.dir.")
+@click.option("--no-progress", is_flag=True, help="No progress bars.")
+def run(job_file: str, shard_text: str | None, output_dir: str | None, no_progress: bool) -> None:
+    """Run JOB_FILE (this process's shard of it); resumes where a previous run stopped."""
+    from dflash_batch.engine import build_engine
+    from dflash_batch.runner import Preempted, run_job
+
+    try:
+        job = load_job(job_file)
+        if output_dir:
+            job = job.model_copy(update={"output": job.output.model_copy(update={"dir": output_dir})})
+        shard = resolve_shard(job.sharding, os.environ, parse_shard(shard_text) if shard_text else None)
+        result = run_job(job, build_engine, shard, progress=not no_progress)
+    except JobError as e:
+        _fail(e)
+    except Preempted:
+        click.echo("terminated: finished rows are committed; rerun the same command to resume",
+                   err=True)
+        sys.exit(EXIT_PREEMPTED)
+    click.echo(f"\nshard {result.shard}: {result.rows_written} rows committed this run")
+    click.echo(_table(["bucket", "rows", "ok", "error", "tokens", "acc_len", "proposal_acc"],
+                      [[name, s["rows"], s["ok"], s["error"], s["completion_tokens"], s["acc_len"],
+                        s["proposal_acceptance"]] for name, s in result.stats.items()]))
+
+
+@main.command()
+@click.argument("job_file", type=click.Path(dir_okay=False))
+def validate(job_file: str) -> None:
+    """Check JOB_FILE and its inputs without running anything."""
+    from dflash_batch.io.inputs import check_inputs
+
+    try:
+        job = load_job(job_file)
+        check_inputs(job.input)
+    except JobError as e:
+        _fail(e)
+    click.echo(f"{job_file}: ok")
+
+
+@main.command()
+@click.argument("out_dir", type=click.Path(file_okay=False, exists=True))
+def status(out_dir: str) -> None:
+    """Rows done / error per shard and per bucket, from the committed files of OUT_DIR."""
+    out = Path(out_dir)
+    run_file = out / "run.json"
+    if not run_file.exists():
+        _fail(JobError(f"{out}: no run.json; not a dflash-batch output directory"))
+    num_shards = orjson.loads(run_file.read_bytes())["num_shards"]
+    rows = read_committed(out, ["shard_index", "bucket", "status"]).to_pylist()
+    for key, title in (("shard_index", "shard"), ("bucket", "bucket")):
+        counts = Counter((r[key], r["status"]) for r in rows)
+        names = sorted({k for k, _ in counts}, key=lambda x: (x is None, x))
+        if key == "shard_index":
+            names = range(num_shards)
+        click.echo(_table([title, "ok", "error"], [[n, counts[(n, "ok")], counts[(n, "error")]]
+                                                    for n in names]))
+        click.echo("")
+    click.echo(f"total: {sum(r['status'] == 'ok' for r in rows)} ok, "
+               f"{sum(r['status'] != 'ok' for r in rows)} error, {num_shards} shard(s)")
+
+
+@main.command()
+@click.option("--check", is_flag=True, help="Fail if the checked-in schemas differ.")
+@click.option("--dir", "schema_dir", default=str(SCHEMA_DIR), show_default=True)
+def schema(check: bool, schema_dir: str) -> None:
+    """Write schemas/job.schema.json and schemas/output.schema.json from the code."""
+    d = Path(schema_dir)
+    docs = {"job.schema.json": job_json_schema(), "output.schema.json": output_json_schema()}
+    stale = []
+    for name, doc in docs.items():
+        text = orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS).decode() + "\n"
+        path = d / name
+        if check:
+            if not path.exists() or path.read_text() != text:
+                stale.append(str(path))
+        else:
+            d.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            click.echo(f"wrote {path}")
+    if stale:
+        _fail(JobError(f"out of date: {', '.join(stale)}; run `dflash-batch schema`"))
+
+
+if __name__ == "__main__":
+    main()

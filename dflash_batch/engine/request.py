@@ -1,0 +1,67 @@
+"""The engine's doorstep: requests in, finished completions out.
+
+The runner knows files, rows and buckets; the engine knows only these values. Any engine (the
+real one, or a test double) implements `Engine.generate`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from dflash_batch.plan.buckets import Bucket
+
+RequestKey = tuple[str, int]  # (row_id, sample_index)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()   # already includes EOS unless ignore_eos
+    seed: int = 0                          # this sample's own seed
+
+
+@dataclass(slots=True)
+class Request:
+    key: RequestKey
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(slots=True)
+class SpecCounters:
+    """Per-sequence speculation record: histogram[n] = rounds in which n drafts were accepted."""
+
+    block_size: int
+    histogram: list[int] = field(default_factory=list)
+
+    @property
+    def rounds(self) -> int:
+        return sum(self.histogram)
+
+    @property
+    def accepted(self) -> int:
+        return sum(n * c for n, c in enumerate(self.histogram))
+
+
+@dataclass(slots=True)
+class Completion:
+    key: RequestKey
+    token_ids: list[int]
+    text: str
+    finish_reason: str             # "stop" | "length"
+    stop_reason: str | None        # the stop string, or the stop token id as text
+    spec: SpecCounters | None      # None when the bucket ran without a drafter
+    ttft_s: float                  # admission -> first token
+    latency_s: float               # admission -> finished
+
+
+class Engine(Protocol):
+    def generate(self, requests: Iterable[Request], bucket: Bucket) -> Iterator[Completion]:
+        """Decode requests (read lazily) with continuous batching; yield each as it finishes."""
+        ...

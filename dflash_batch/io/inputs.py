@@ -1,0 +1,129 @@
+"""Streaming readers for Parquet and JSONL inputs.
+
+Inputs are read in batches of records so a 10M-row file is never held whole. A JSONL line that
+does not parse is not fatal: it comes out as a record with `error` set and becomes an error row.
+A missing file or a Parquet file without a needed column is a job-level error: it stops the
+run before any work, naming the file.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+import pyarrow.parquet as pq
+
+from dflash_batch.job import InputSpec, JobError
+
+_EXT_FORMAT = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl",
+               ".json": "jsonl"}
+
+
+@dataclass(slots=True)
+class Record:
+    source: str            # file name relative to the common root of all inputs (stable ids)
+    index: int             # 0-based row (Parquet) or line (JSONL) number in that file
+    data: dict | None      # column -> value; None when the line could not be parsed
+    error: str | None = None
+
+
+def expand_paths(paths: list[str], fmt: str) -> list[tuple[Path, str]]:
+    """Files named by paths/globs/directories, in a stable order, each with its format."""
+    files: list[Path] = []
+    for p in paths:
+        if any(ch in p for ch in "*?["):
+            matched = sorted(glob.glob(p, recursive=True))
+            if not matched:
+                raise JobError(f"input.paths: {p!r} matches no file")
+            files += [Path(m) for m in matched if Path(m).is_file()]
+        elif Path(p).is_dir():
+            found = sorted(f for f in Path(p).rglob("*") if f.is_file() and f.suffix in _EXT_FORMAT)
+            if not found:
+                raise JobError(f"input.paths: directory {p!r} holds no .parquet/.jsonl file")
+            files += found
+        elif Path(p).is_file():
+            files.append(Path(p))
+        else:
+            raise JobError(f"input.paths: {p!r} does not exist")
+    out = []
+    for f in dict.fromkeys(files):
+        kind = fmt if fmt != "auto" else _EXT_FORMAT.get(f.suffix.lower())
+        if kind is None:
+            raise JobError(f"input.paths: cannot tell the format of {f} from its extension; "
+                           "set input.format to jsonl or parquet")
+        out.append((f, kind))
+    return out
+
+
+def _source_names(files: list[Path]) -> list[str]:
+    if len(files) == 1:
+        return [files[0].name]
+    root = os.path.commonpath([str(f.resolve()) for f in files])
+    return [os.path.relpath(f.resolve(), root) for f in files]
+
+
+def needed_columns(spec: InputSpec) -> list[str]:
+    cols = [spec.id_column, spec.prompt_column, spec.messages_column, spec.input_ids_column,
+            *spec.passthrough_columns, *spec.sampling_columns.values()]
+    return list(dict.fromkeys(c for c in cols if c))
+
+
+def _require_columns(path: Path, names: list[str], columns: list[str]) -> None:
+    missing = [c for c in columns if c not in names]
+    if missing:
+        raise JobError(f"{path}: column(s) {missing} not found; the file has {names}")
+
+
+def _read_jsonl(path: Path, source: str, batch_rows: int) -> Iterator[list[Record]]:
+    batch: list[Record] = []
+    with open(path, "rb") as f:
+        for index, line in enumerate(f):
+            if not line.strip():
+                continue
+            try:
+                data = orjson.loads(line)
+                rec = (Record(source, index, data) if isinstance(data, dict) else
+                       Record(source, index, None, f"line {index + 1} is JSON {type(data).__name__}, "
+                              "not an object"))
+            except orjson.JSONDecodeError as e:
+                rec = Record(source, index, None, f"line {index + 1} is not valid JSON: {e}")
+            batch.append(rec)
+            if len(batch) >= batch_rows:
+                yield batch
+                batch = []
+    if batch:
+        yield batch
+
+
+def _read_parquet(path: Path, source: str, columns: list[str], batch_rows: int) -> Iterator[list[Record]]:
+    pf = pq.ParquetFile(path)
+    _require_columns(path, pf.schema_arrow.names, columns)
+    index = 0
+    for rb in pf.iter_batches(batch_size=batch_rows, columns=columns):
+        rows = rb.to_pylist()
+        yield [Record(source, index + i, row) for i, row in enumerate(rows)]
+        index += len(rows)
+
+
+def read_records(spec: InputSpec) -> Iterator[list[Record]]:
+    """All input records, batch by batch, file after file."""
+    files = expand_paths(spec.paths, spec.format)
+    names = _source_names([f for f, _ in files])
+    columns = needed_columns(spec)
+    for (path, kind), source in zip(files, names):
+        if kind == "parquet":
+            yield from _read_parquet(path, source, columns, spec.batch_rows)
+        else:
+            yield from _read_jsonl(path, source, spec.batch_rows)
+
+
+def check_inputs(spec: InputSpec) -> None:
+    """Fail fast on what would stop the run later: missing files, Parquet files without columns."""
+    columns = needed_columns(spec)
+    for path, kind in expand_paths(spec.paths, spec.format):
+        if kind == "parquet":
+            _require_columns(path, pq.read_schema(path).names, columns)

@@ -1,0 +1,167 @@
+"""The run's ledger: run.json (what run this directory holds) and what is already committed.
+
+Layout of an output directory:
+    run.json                          config hash, shard count, schema version, the job
+    data/shard-00003/part-000000.parquet
+    stats/shard-00003.json            per-bucket totals, recomputed from committed parts
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from dflash_batch import __version__
+from dflash_batch.io.outputs import OUTPUT_TYPES, SCHEMA_VERSION, atomic_write_bytes
+from dflash_batch.job import Job, JobError
+from dflash_batch.plan.shards import Shard, hash64
+
+
+def shard_dir(out_dir: Path, index: int) -> Path:
+    return out_dir / "data" / f"shard-{index:05d}"
+
+
+def part_files(out_dir: Path, index: int | None = None) -> list[Path]:
+    pattern = f"shard-{index:05d}" if index is not None else "shard-*"
+    return sorted((out_dir / "data").glob(f"{pattern}/part-*.parquet"))
+
+
+def _changed_fields(old: dict, new: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _changed_fields(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}")
+    return out
+
+
+def lock_run(out_dir: Path, job: Job, shard: Shard) -> str:
+    """Write run.json if absent (atomically, race-free across array tasks), else check that it
+    describes the same logical run. Returns the config hash."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    record = {"config_hash": job.output_hash(), "num_shards": shard.count,
+              "schema_version": SCHEMA_VERSION, "dflash_batch": __version__,
+              "job": job.model_dump(mode="json", exclude={"sharding"})}
+    path = out_dir / "run.json"
+    if not path.exists():
+        tmp = out_dir / f".run.json.{os.getpid()}.tmp"
+        tmp.write_bytes(orjson.dumps(record, option=orjson.OPT_INDENT_2))
+        try:
+            os.link(tmp, path)  # fails if another task created it first: then check theirs
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink()
+    try:
+        old = orjson.loads(path.read_bytes())
+    except orjson.JSONDecodeError:
+        raise JobError(f"{path} is corrupt; move it away only if the directory holds no parts") from None
+    fix = (f"To start a new run, point output.dir (or --output-dir) at a new directory; to continue "
+           f"the old one, run it with its original job file (saved in {path}).")
+    if old.get("schema_version") != SCHEMA_VERSION:
+        raise JobError(f"{out_dir}: written with output schema v{old.get('schema_version')}, this "
+                       f"dflash-batch writes v{SCHEMA_VERSION}. {fix}")
+    if old.get("num_shards") != shard.count:
+        raise JobError(f"{out_dir}: the run uses {old.get('num_shards')} shards, this task says "
+                       f"{shard.count}. Every task of one run must use the same shard count. {fix}")
+    if old.get("config_hash") != record["config_hash"]:
+        changed = _changed_fields(old.get("job", {}), record["job"])
+        raise JobError(f"{out_dir}: the job changed since this run started (changed: "
+                       f"{', '.join(changed) or 'unknown'}). {fix}")
+    return record["config_hash"]
+
+
+def key_hash(row_id: str, sample_index: int) -> int:
+    return hash64(f"{row_id}\x00{sample_index}")
+
+
+class DoneSet:
+    """(row_id, sample_index) pairs already committed, as a sorted array of 64-bit hashes:
+    8 bytes a row instead of a Python tuple's ~100."""
+
+    def __init__(self, hashes: np.ndarray):
+        self.hashes = np.unique(hashes.astype(np.uint64))
+
+    def __len__(self) -> int:
+        return int(self.hashes.size)
+
+    def __contains__(self, key: tuple[str, int]) -> bool:
+        if not self.hashes.size:
+            return False
+        h = np.uint64(key_hash(*key))
+        i = int(np.searchsorted(self.hashes, h))
+        return i < self.hashes.size and self.hashes[i] == h
+
+
+def committed_keys(out_dir: Path, index: int) -> DoneSet:
+    chunks = []
+    for f in part_files(out_dir, index):
+        t = pq.read_table(f, columns=["row_id", "sample_index"])
+        chunks.append(np.fromiter((key_hash(r, s) for r, s in zip(t["row_id"].to_pylist(),
+                                                                  t["sample_index"].to_pylist())),
+                                  dtype=np.uint64, count=t.num_rows))
+    return DoneSet(np.concatenate(chunks) if chunks else np.empty(0, np.uint64))
+
+
+STAT_COLUMNS = ["bucket", "status", "completion_tokens", "spec_rounds", "spec_accepted",
+                "spec_histogram", "spec_block_size"]
+
+
+def read_committed(out_dir: Path, columns: list[str], index: int | None = None) -> pa.Table:
+    """The named columns of every committed part (of one shard, or all)."""
+    tables = [pq.read_table(f, columns=columns) for f in part_files(out_dir, index)]
+    if not tables:
+        return pa.table({c: pa.array([], OUTPUT_TYPES[c]) for c in columns})
+    return pa.concat_tables(tables, promote_options="permissive")
+
+
+def _per_bucket(code: np.ndarray, n: int, column: pa.ChunkedArray) -> list[int]:
+    values = column.fill_null(0).to_numpy().astype(np.int64)
+    return np.bincount(code, weights=values, minlength=n).astype(np.int64).tolist()
+
+
+def bucket_stats(t: pa.Table) -> dict[str, dict]:
+    """Per-bucket totals; acceptance as ratios of sums (never means of per-row ratios)."""
+    buckets = pc.dictionary_encode(t["bucket"].fill_null("-")).combine_chunks()
+    names, code = buckets.dictionary.to_pylist(), buckets.indices.to_numpy()
+    n = len(names)
+    ok = pc.cast(pc.equal(t["status"], "ok"), pa.int64())
+    drafted = pc.multiply(pc.subtract(pc.cast(t["spec_block_size"], pa.int64()), 1), t["spec_rounds"])
+    totals = {"rows": np.bincount(code, minlength=n).tolist(), "ok": _per_bucket(code, n, ok),
+              "completion_tokens": _per_bucket(code, n, t["completion_tokens"]),
+              "spec_rounds": _per_bucket(code, n, t["spec_rounds"]),
+              "spec_accepted": _per_bucket(code, n, t["spec_accepted"]),
+              "spec_drafted": _per_bucket(code, n, drafted)}
+    # Histograms: add each row's list into its bucket's row of a [buckets, width] matrix.
+    hist = t["spec_histogram"].combine_chunks()
+    lengths = pc.list_value_length(hist).fill_null(0).to_numpy()
+    values = pc.list_flatten(hist).to_numpy()
+    matrix = np.zeros((n, int(lengths.max(initial=0))), np.int64)
+    row_of_value = np.repeat(np.arange(len(lengths)), lengths)
+    position = np.arange(len(values)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    np.add.at(matrix, (code[row_of_value], position), values)
+    out = {}
+    for i, name in enumerate(names):
+        b = {k: v[i] for k, v in totals.items()}
+        b["error"] = b["rows"] - b["ok"]
+        b["spec_histogram"] = matrix[i].tolist()
+        b["acc_len"] = 1 + b["spec_accepted"] / b["spec_rounds"] if b["spec_rounds"] else None
+        b["proposal_acceptance"] = b["spec_accepted"] / b["spec_drafted"] if b["spec_drafted"] else None
+        out[name] = b
+    return out
+
+
+def write_shard_stats(out_dir: Path, index: int) -> dict[str, dict]:
+    stats = bucket_stats(read_committed(out_dir, STAT_COLUMNS, index))
+    (out_dir / "stats").mkdir(exist_ok=True)
+    atomic_write_bytes(out_dir / "stats" / f"shard-{index:05d}.json",
+                       orjson.dumps({"shard": index, "buckets": stats}, option=orjson.OPT_INDENT_2))
+    return stats

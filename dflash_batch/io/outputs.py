@@ -1,0 +1,143 @@
+"""Output rows and the Parquet part writer.
+
+One row per (input row, sample). A part is written to a hidden temporary name, fsynced and
+renamed into place, then the directory is fsynced: a part either exists whole or not at all, so
+the committed files are the single record of progress.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+SCHEMA_VERSION = 1
+
+# (name, arrow type, nullable, description). Passthrough columns follow sample_index.
+COLUMNS: list[tuple[str, pa.DataType, bool, str]] = [
+    ("row_id", pa.string(), False, "input.id_column, else a hash of (file, row index)"),
+    ("sample_index", pa.int32(), False, "0..n-1"),
+    ("response", pa.string(), True, "generated text (special tokens skipped; cut before a stop string)"),
+    ("finish_reason", pa.string(), False, "stop | length | error"),
+    ("stop_reason", pa.string(), True, "the stop string, or the stop token id, that ended the sample"),
+    ("prompt_tokens", pa.int32(), True, "prompt length in tokens (after truncation)"),
+    ("completion_tokens", pa.int32(), True, "generated tokens, stop token included"),
+    ("prompt_truncated", pa.bool_(), False, "the overflow policy truncated the prompt"),
+    ("status", pa.string(), False, "ok | error"),
+    ("error_type", pa.string(), True, "machine-readable reason of an error row"),
+    ("error", pa.string(), True, "human-readable reason of an error row, naming file/row/column"),
+    ("bucket", pa.string(), True, "length bucket, e.g. 2048-8192 (prompt + max_new_tokens)"),
+    ("seed", pa.int64(), False, "this sample's seed, from (job seed, row_id, sample_index)"),
+    ("spec_block_size", pa.int16(), True, "verify width (anchor + drafts); null without speculation"),
+    ("spec_rounds", pa.int32(), True, "verify rounds (null without speculation)"),
+    ("spec_accepted", pa.int32(), True, "accepted draft tokens, bonus tokens excluded"),
+    ("spec_histogram", pa.list_(pa.int32()), True, "rounds with 0..block_size-1 accepted drafts"),
+    ("acc_len", pa.float64(), True, "1 + spec_accepted / spec_rounds"),
+    ("proposal_acceptance", pa.float64(), True, "spec_accepted / ((block_size - 1) * spec_rounds)"),
+    ("ttft_s", pa.float64(), True, "admission to first token, seconds"),
+    ("latency_s", pa.float64(), True, "admission to finish, seconds"),
+    ("shard_index", pa.int32(), False, "the shard that wrote the row"),
+    ("config_hash", pa.string(), False, "ties the row to run.json"),
+]
+OPTIONAL_COLUMNS: dict[str, tuple[pa.DataType, str]] = {
+    "response_token_ids": (pa.list_(pa.int32()), "generated token ids (output.include_token_ids)"),
+    "rendered_prompt": (pa.string(), "the prompt text after the chat template (output.include_prompt)"),
+}
+RESERVED = {c[0] for c in COLUMNS} | set(OPTIONAL_COLUMNS)
+OUTPUT_TYPES = {name: typ for name, typ, _, _ in COLUMNS}
+
+
+def output_json_schema() -> dict:
+    return {
+        "title": "dflash-batch output rows",
+        "schema_version": SCHEMA_VERSION,
+        "note": "Passthrough columns follow sample_index with their input types.",
+        "columns": [{"name": n, "type": str(t), "nullable": nl, "description": d} for n, t, nl, d in COLUMNS],
+        "optional_columns": [{"name": n, "type": str(t), "nullable": True, "description": d}
+                             for n, (t, d) in OPTIONAL_COLUMNS.items()],
+    }
+
+
+def _passthrough_array(values: list[Any]) -> pa.Array:
+    try:
+        return pa.array(values)
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        # Mixed JSON types in one column cannot share an Arrow type: keep them as JSON text.
+        return pa.array([None if v is None else orjson.dumps(v).decode() for v in values], pa.string())
+
+
+def rows_to_table(rows: list[dict], passthrough: list[str], optional: list[str],
+                  metadata: dict[str, str]) -> pa.Table:
+    arrays, fields = [], []
+    for i, (name, typ, nullable, _) in enumerate(COLUMNS):
+        arrays.append(pa.array([r.get(name) for r in rows], typ))
+        fields.append(pa.field(name, typ, nullable))
+        if i == 1:  # passthrough columns sit right after the key
+            for col in passthrough:
+                arr = _passthrough_array([r["passthrough"].get(col) for r in rows])
+                arrays.append(arr)
+                fields.append(pa.field(col, arr.type))
+    for name in optional:
+        typ = OPTIONAL_COLUMNS[name][0]
+        arrays.append(pa.array([r.get(name) for r in rows], typ))
+        fields.append(pa.field(name, typ))
+    return pa.Table.from_arrays(arrays, schema=pa.schema(fields, metadata=metadata))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+class PartWriter:
+    """Buffers finished rows of one shard and commits them as Parquet parts."""
+
+    def __init__(self, shard_dir: Path, *, passthrough: list[str], optional: list[str],
+                 metadata: dict[str, str], rows_per_part: int, flush_seconds: float, compression: str):
+        self.dir = shard_dir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for stale in self.dir.glob(".*.tmp"):  # left by a killed writer; never committed
+            stale.unlink()
+        existing = [int(p.stem.split("-")[1]) for p in self.dir.glob("part-*.parquet")]
+        self.next_part = max(existing, default=-1) + 1
+        self.passthrough, self.optional, self.metadata = passthrough, optional, metadata
+        self.rows_per_part, self.flush_seconds = rows_per_part, flush_seconds
+        self.compression = None if compression == "none" else compression
+        self.buffer: list[dict] = []
+        self.last_flush = time.monotonic()
+        self.committed_rows = 0
+
+    def add(self, row: dict) -> None:
+        self.buffer.append(row)
+        if len(self.buffer) >= self.rows_per_part or time.monotonic() - self.last_flush > self.flush_seconds:
+            self.flush()
+
+    def flush(self) -> None:
+        self.last_flush = time.monotonic()
+        if not self.buffer:
+            return
+        table = rows_to_table(self.buffer, self.passthrough, self.optional, self.metadata)
+        sink = pa.BufferOutputStream()
+        pq.write_table(table, sink, compression=self.compression)
+        atomic_write_bytes(self.dir / f"part-{self.next_part:06d}.parquet", sink.getvalue().to_pybytes())
+        self.next_part += 1
+        self.committed_rows += len(self.buffer)
+        self.buffer = []

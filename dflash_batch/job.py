@@ -1,0 +1,240 @@
+"""The job file: one YAML document, validated into a `Job` before any work starts.
+
+Relative paths in a job file are relative to the job file's own directory, so a job and the
+data beside it can be moved together. schemas/job.schema.json is generated from these models
+(`dflash-batch schema`); unknown keys are errors so typos cannot pass silently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import orjson
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+MAX_CONTEXT = 131072
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_new_tokens", "stop", "stop_token_ids",
+                   "ignore_eos", "seed")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class InputSpec(_Strict):
+    """Where the prompts come from and which columns hold what."""
+
+    paths: list[str] = Field(min_length=1, description="Files, globs or directories (Parquet or JSONL).")
+    format: Literal["auto", "jsonl", "parquet"] = Field("auto", description="auto: from the file extension.")
+    id_column: str | None = Field(None, description="Column holding a unique row id; absent: a stable "
+                                  "hash of (file, row index).")
+    prompt_column: str | None = Field(None, description="Raw prompt text (no chat template).")
+    messages_column: str | None = Field(None, description="Chat messages [{role, content}], rendered "
+                                        "with the tokenizer's chat template.")
+    input_ids_column: str | None = Field(None, description="Pre-tokenised prompt (list of ints).")
+    system_prompt: str | None = Field(None, description="Prepended as a system message to messages "
+                                      "that have none.")
+    passthrough_columns: list[str] = Field(default_factory=list, description="Input columns copied to "
+                                           "the output rows unchanged.")
+    sampling_columns: dict[str, str] = Field(default_factory=dict, description="Per-row sampling "
+                                             "overrides: sampling field -> input column.")
+    batch_rows: int = Field(4096, ge=1, description="Rows read and tokenised per batch.")
+    window_rows: int = Field(16384, ge=1, description="Rows grouped into length buckets at a time "
+                             "(bounds memory on huge inputs).")
+
+    @model_validator(mode="after")
+    def _one_prompt_column(self) -> InputSpec:
+        given = [c for c in (self.prompt_column, self.messages_column, self.input_ids_column) if c]
+        if len(given) != 1:
+            raise ValueError("set exactly one of prompt_column, messages_column, input_ids_column "
+                             f"(got {len(given)})")
+        return self
+
+    @field_validator("sampling_columns")
+    @classmethod
+    def _known_sampling_fields(cls, v: dict[str, str]) -> dict[str, str]:
+        bad = sorted(set(v) - set(SAMPLING_FIELDS))
+        if bad:
+            raise ValueError(f"unknown sampling field(s) {bad}; allowed: {list(SAMPLING_FIELDS)}")
+        return v
+
+
+class ModelSpec(_Strict):
+    target: str = Field(description="Target checkpoint directory (HF layout: config.json + safetensors).")
+    drafter: str | None = Field(None, description="DFlash drafter checkpoint directory; absent: "
+                                "target-only decoding.")
+    tokenizer: str | None = Field(None, description="Tokenizer directory; default: the target's.")
+    chat_template: str | None = Field(None, description="Path of a Jinja chat template overriding the "
+                                      "tokenizer's.")
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+
+
+class EngineSpec(_Strict):
+    max_model_len: int = Field(8192, ge=16, le=MAX_CONTEXT, description="Prompt + generated tokens, "
+                               "at most.")
+    max_num_seqs: int = Field(64, ge=1, description="Sequences decoded together (default for buckets).")
+    max_num_batched_tokens: int = Field(8192, ge=16, description="Tokens per forward (chunked prefill "
+                                        "budget).")
+    backend: Literal["auto", "torch", "flashinfer"] = "auto"
+    cudagraph_capture_sizes: list[Annotated[int, Field(ge=1)]] | None = Field(
+        None, description="Batch sizes captured as CUDA graphs; absent: powers of two up to max_num_seqs.")
+    page_size: int = Field(16, ge=1, description="Tokens per KV-cache page.")
+
+
+class BucketSpec(_Strict):
+    max_tokens: int = Field(ge=1, le=MAX_CONTEXT, description="Upper edge: prompt + max_new_tokens.")
+    max_num_seqs: int | None = Field(None, ge=1, description="Default: engine.max_num_seqs.")
+    speculation: bool = Field(True, description="Use the drafter in this bucket (if one is configured).")
+    block_size: int | None = Field(None, ge=2, le=64, description="Verify width (anchor + drafts); "
+                                   "default: the drafter's.")
+
+
+class SamplingSpec(_Strict):
+    temperature: float = Field(0.0, ge=0.0, description="0 = greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1, description="-1 or 0 = off.")
+    max_new_tokens: int = Field(256, ge=1)
+    stop: list[str] = Field(default_factory=list, description="Stop strings (matched on decoded text; "
+                            "the output is cut before the match).")
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    n: int = Field(1, ge=1, le=1024, description="Samples per prompt (one output row each).")
+    seed: int = Field(0, description="Job seed; each sample's seed derives from (seed, row_id, "
+                      "sample_index).")
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description="Passed to the chat "
+                                                 "template, e.g. {thinking: false}.")
+
+    @field_validator("stop")
+    @classmethod
+    def _non_empty_stops(cls, v: list[str]) -> list[str]:
+        if any(s == "" for s in v):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+
+class OutputSpec(_Strict):
+    dir: str = Field(description="Output directory (one per logical run).")
+    rows_per_part: int = Field(1000, ge=1, description="Rows per Parquet part file.")
+    flush_seconds: float = Field(300.0, gt=0, description="Commit a part at least this often.")
+    compression: Literal["zstd", "snappy", "gzip", "none"] = "zstd"
+    include_token_ids: bool = Field(False, description="Add response_token_ids to each row.")
+    include_prompt: bool = Field(False, description="Add the rendered prompt text to each row.")
+
+
+class ShardingSpec(_Strict):
+    mode: Literal["auto", "slurm", "explicit", "none"] = Field(
+        "auto", description="auto: Slurm array variables if set, else a single shard.")
+    index: int | None = Field(None, ge=0)
+    count: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _explicit_needs_both(self) -> ShardingSpec:
+        if self.mode == "explicit":
+            if self.index is None or self.count is None:
+                raise ValueError("mode: explicit needs both index and count")
+            if self.index >= self.count:
+                raise ValueError(f"index {self.index} must be < count {self.count}")
+        elif self.index is not None or self.count is not None:
+            raise ValueError("index/count are only used with mode: explicit")
+        return self
+
+
+class Job(_Strict):
+    version: Literal[1] = 1
+    name: str | None = None
+    input: InputSpec
+    model: ModelSpec
+    engine: EngineSpec = EngineSpec()
+    buckets: list[BucketSpec] = Field(default_factory=list, description="Length buckets, ascending "
+                                      "edges; default: one bucket up to engine.max_model_len.")
+    sampling: SamplingSpec = SamplingSpec()
+    overflow: Literal["error", "truncate_left", "truncate_right"] = Field(
+        "error", description="A prompt that does not fit max_model_len - max_new_tokens.")
+    output: OutputSpec
+    sharding: ShardingSpec = ShardingSpec()
+
+    @model_validator(mode="after")
+    def _buckets_ascending(self) -> Job:
+        edges = [b.max_tokens for b in self.buckets]
+        if edges != sorted(set(edges)):
+            raise ValueError(f"buckets must have strictly ascending max_tokens, got {edges}")
+        if edges and edges[-1] > self.engine.max_model_len:
+            raise ValueError(f"the last bucket ({edges[-1]}) exceeds engine.max_model_len "
+                             f"({self.engine.max_model_len})")
+        return self
+
+    def resolved_buckets(self) -> list[BucketSpec]:
+        return self.buckets or [BucketSpec(max_tokens=self.engine.max_model_len)]
+
+    def output_hash(self) -> str:
+        """Hash of everything that decides the outputs. Engine tuning (batch sizes, backend, graph
+        sizes), the output location and part sizes are left out: they may change between resumes."""
+        doc = self.model_dump(mode="json", exclude={"engine": {"max_num_seqs", "max_num_batched_tokens",
+                                                               "backend", "cudagraph_capture_sizes"},
+                                                    "output": {"dir", "rows_per_part", "flush_seconds"},
+                                                    "sharding": True, "name": True})
+        for b in doc["buckets"]:
+            b.pop("max_num_seqs", None)
+        return hashlib.sha256(orjson.dumps(doc, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
+
+
+class JobError(ValueError):
+    """A job file that cannot run; the message says where and what to fix."""
+
+
+def _resolve(base: Path, p: str | None) -> str | None:
+    if p is None or "://" in p:
+        return p
+    path = Path(p).expanduser()
+    return str(path if path.is_absolute() else (base / path))
+
+
+def _format_errors(source: str, err: ValidationError) -> str:
+    lines = [f"{source}: invalid job file ({err.error_count()} problem(s)):"]
+    for e in err.errors():
+        where = ".".join(str(x) for x in e["loc"]) or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key (check the spelling; see schemas/job.schema.json)"
+        elif e["type"] == "literal_error":
+            msg = f"{msg} (got {e['input']!r})"
+        lines.append(f"  {where}: {msg}")
+    return "\n".join(lines)
+
+
+def parse_job(doc: Any, source: str = "<job>", base_dir: Path | None = None) -> Job:
+    """Validate a parsed YAML document; paths are resolved against base_dir."""
+    if not isinstance(doc, dict):
+        raise JobError(f"{source}: a job file must be a YAML mapping, got {type(doc).__name__}")
+    try:
+        job = Job.model_validate(doc)
+    except ValidationError as err:
+        raise JobError(_format_errors(source, err)) from None
+    if base_dir is None:
+        return job
+    inp = job.input.model_copy(update={"paths": [_resolve(base_dir, p) for p in job.input.paths]})
+    model = job.model.model_copy(update={k: _resolve(base_dir, getattr(job.model, k))
+                                         for k in ("target", "drafter", "tokenizer", "chat_template")})
+    out = job.output.model_copy(update={"dir": _resolve(base_dir, job.output.dir)})
+    return job.model_copy(update={"input": inp, "model": model, "output": out})
+
+
+def load_job(path: str | Path) -> Job:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise JobError(f"{path}: cannot read job file ({e.strerror})") from None
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise JobError(f"{path}: not valid YAML: {e}") from None
+    return parse_job(doc, str(path), path.resolve().parent)
+
+
+def job_json_schema() -> dict:
+    return Job.model_json_schema()

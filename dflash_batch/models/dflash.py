@@ -1,0 +1,290 @@
+"""DFlash v1 and DFlash2 block drafters, GQA attention (Qwen3-style layers).
+
+The target's tapped hidden states never run through the drafter's layers: `write_context` turns
+them into extra K/V rows ("context") in every layer's cache, at the tokens' true positions. A
+draft is then one forward over a block per sequence, [anchor, mask x (B-1)], which attends to the
+context and to the whole block, and one greedy proposal from the block's last B-1 rows.
+
+DFlash2 adds a grouped dynamic convolution around each sub-layer and a candidate selector that
+re-ranks the head's top-k per position with a low-rank predecessor/successor bigram term.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dflash_batch.backends.torch_attention import paged_attention, write_cache
+from dflash_batch.engine.context import AttnMeta
+from dflash_batch.models.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from dflash_batch.models.layers.norm import RMSNorm
+from dflash_batch.models.layers.rope import apply_rope, rope_from_config
+from dflash_batch.models.qwen3 import Qwen3MLP
+
+
+def draft_value(config: dict, key: str, default=None):
+    """`dflash_config.<key>` first, then the top-level key (the rule the reference and TokenSpeed share)."""
+    section = config.get("dflash_config") or {}
+    return section[key] if key in section else config.get(key, default)
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The reference's default taps: evenly spread over target layers 1 .. L-3 (rounded half-even,
+    as Python's round does, so the ids match checkpoints trained with that default)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    first, last = 1, num_target_layers - 3
+    step = (last - first) / (num_draft_layers - 1)
+    return [round(first + i * step) for i in range(num_draft_layers)]
+
+
+def _replicated(*shape: int) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape), requires_grad=False)
+    p.shard_dim = None
+    return p
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, config: dict, layer_idx: int):
+        super().__init__()
+        hidden = config["hidden_size"]
+        heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+        self.head_dim = config.get("head_dim") or hidden // heads
+        bias = bool(config.get("attention_bias", False))
+        self.q_proj = ColumnParallelLinear(hidden, heads * self.head_dim, bias)
+        self.k_proj = ColumnParallelLinear(hidden, kv_heads * self.head_dim, bias)
+        self.v_proj = ColumnParallelLinear(hidden, kv_heads * self.head_dim, bias)
+        self.o_proj = RowParallelLinear(heads * self.head_dim, hidden, bias)
+        self.q_norm = RMSNorm(self.head_dim, config["rms_norm_eps"])
+        self.k_norm = RMSNorm(self.head_dim, config["rms_norm_eps"])
+        self.num_heads = self.q_proj.weight.shape[0] // self.head_dim
+        self.num_kv_heads = self.k_proj.weight.shape[0] // self.head_dim
+        self.scale = self.head_dim ** -0.5
+        layer_types = config.get("layer_types") or ["full_attention"] * config["num_hidden_layers"]
+        sliding = layer_types[layer_idx] == "sliding_attention"
+        self.window: int | None = config.get("sliding_window") if sliding else None
+        # TokenSpeed: the block is non-causal in every layer unless the config says otherwise.
+        # (The z-lab reference instead makes sliding layers causal when `is_causal` is unset.)
+        self.causal = bool(config.get("is_causal") or False)
+        # Runtime state, not checkpoint: plain attributes filled by allocate_cache().
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def write_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor) -> None:
+        """Context rows and block rows get their K/V the same way: k_norm, then RoPE at their position."""
+        T = x.shape[0]
+        k = self.k_norm(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim))
+        write_cache(self.k_cache, slots, apply_rope(k, cos, sin))
+        write_cache(self.v_cache, slots, self.v_proj(x).view(T, self.num_kv_heads, self.head_dim))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+        T = x.shape[0]
+        self.write_kv(x, cos, sin, meta.slots)
+        q = apply_rope(self.q_norm(self.q_proj(x).view(T, self.num_heads, self.head_dim)), cos, sin)
+        o = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, self.causal, self.window)
+        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
+
+
+def grouped_block_conv(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, block_size: int) -> torch.Tensor:
+    """out[t] = sum_i (base[i] + dynamic[t, i, group]) * x[t - i], over taps i <= t mod block_size.
+
+    x [N, D] holds whole blocks of `block_size` rows; dynamic [N, taps, groups]; base [taps, D].
+    Taps stop at the block start: the anchor row sees only itself, whatever precedes it in x.
+    """
+    N, D = x.shape
+    taps, groups = dynamic.shape[1], dynamic.shape[2]
+    blocks = x.view(N // block_size, block_size, groups, D // groups)
+    dynamic = dynamic.view(N // block_size, block_size, taps, groups, 1)
+    out = torch.zeros_like(blocks)
+    for i in range(taps):
+        shifted = blocks if i == 0 else torch.cat([torch.zeros_like(blocks[:, :i]), blocks[:, :-i]], dim=1)
+        out = out + (base[i].view(groups, D // groups) + dynamic[:, :, i]) * shifted
+    return out.view(N, D)
+
+
+class GroupedDynamicConv(nn.Module):
+    """DFlash2's conv around a sub-layer. One projection of the sub-layer's normed input predicts
+    two per-group dynamic kernels: the first filters that input, the second the sub-layer output."""
+
+    def __init__(self, hidden: int, kernel_size: int, group_size: int):
+        super().__init__()
+        if hidden % group_size:
+            raise ValueError(f"hidden_size={hidden} is not divisible by conv_group_size={group_size}")
+        self.kernel_size = kernel_size
+        self.groups = hidden // group_size
+        self.base_kernel = _replicated(2, kernel_size, hidden)
+        self.kernel_projection = ReplicatedLinear(hidden, 2 * kernel_size * self.groups)
+
+    def prepare(self, h: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        dynamic = self.kernel_projection(h).view(h.shape[0], 2, self.kernel_size, self.groups)
+        return grouped_block_conv(h, dynamic[:, 0], self.base_kernel[0], block_size), dynamic[:, 1]
+
+    def finish(self, h: torch.Tensor, dynamic: torch.Tensor, block_size: int) -> torch.Tensor:
+        return grouped_block_conv(h, dynamic, self.base_kernel[1], block_size)
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, config: dict, layer_idx: int, conv: tuple[int, int] | None):
+        super().__init__()
+        hidden, eps = config["hidden_size"], config["rms_norm_eps"]
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        # conv = (kernel_size, group_size) for DFlash2; v1 layers have none.
+        self.attention_conv = GroupedDynamicConv(hidden, *conv) if conv else None
+        self.mlp_conv = GroupedDynamicConv(hidden, *conv) if conv else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta,
+                block_size: int) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.attention_conv is None:
+            h = self.self_attn(h, cos, sin, meta)
+        else:
+            h, dynamic = self.attention_conv.prepare(h, block_size)
+            h = self.attention_conv.finish(self.self_attn(h, cos, sin, meta), dynamic, block_size)
+        x = x + h
+        h = self.post_attention_layernorm(x)
+        if self.mlp_conv is None:
+            h = self.mlp(h)
+        else:
+            h, dynamic = self.mlp_conv.prepare(h, block_size)
+            h = self.mlp_conv.finish(self.mlp(h), dynamic, block_size)
+        return x + h
+
+
+class DFlashDrafter(nn.Module):
+    """DFlash v1: proposal = argmax of the target's head on the block's rows 1..B-1."""
+
+    conv_layers = False  # DFlash2 wraps every sub-layer in a GroupedDynamicConv
+
+    def __init__(self, config: dict):
+        super().__init__()
+        mode = draft_value(config, "attention_mode", "gqa")
+        if mode == "mla":
+            raise NotImplementedError("DFlash drafters with attention_mode='mla' are not supported yet")
+        if mode != "gqa":
+            raise ValueError(f"unknown dflash attention_mode {mode!r}")
+        if config.get("hidden_act", "silu") != "silu":
+            raise NotImplementedError(f"hidden_act={config['hidden_act']!r} is not supported")
+        self.mask_token_id: int = draft_value(config, "mask_token_id")
+        if self.mask_token_id is None:
+            raise ValueError("drafter config has no dflash_config.mask_token_id")
+        self.config = config
+        self.block_size = int(draft_value(config, "block_size", 16))
+        layer_ids = draft_value(config, "target_layer_ids")
+        if layer_ids is None:
+            layer_ids = build_target_layer_ids(config["num_target_layers"], config["num_hidden_layers"])
+        self.target_layer_ids: list[int] = list(layer_ids)
+        self.input_embedding_scale = float(draft_value(config, "input_embedding_scale", 1.0))
+        self.output_multiplier = float(draft_value(config, "output_multiplier", 1.0))
+        self.softcap = float(draft_value(config, "final_logit_softcapping") or 0.0)
+
+        hidden, eps = config["hidden_size"], config["rms_norm_eps"]
+        conv = None
+        if self.conv_layers:
+            conv = (int(draft_value(config, "conv_kernel_size")), int(draft_value(config, "conv_group_size")))
+        self.fc = ReplicatedLinear(len(self.target_layer_ids) * hidden, hidden)
+        self.hidden_norm = RMSNorm(hidden, eps)
+        self.layers = nn.ModuleList(
+            DFlashDecoderLayer(config, i, conv) for i in range(config["num_hidden_layers"]))
+        self.norm = RMSNorm(hidden, eps)
+        self.rotary_emb = rope_from_config(config, self.layers[0].self_attn.head_dim)
+        # The target's embedding and head, held in a tuple so nn.Module does not register them:
+        # they are not the drafter's parameters and the loader must not expect them.
+        self._target_io: tuple[nn.Module, nn.Module] | None = None
+
+    def checkpoint_name(self, name: str) -> str | None:
+        name = name.removeprefix("model.")
+        # The drafter borrows the target's embedding; a copy in its checkpoint is redundant.
+        if name == "embed_tokens.weight" or name.endswith("rotary_emb.inv_freq"):
+            return None
+        return name
+
+    def bind_target(self, embed_tokens: nn.Module, lm_head: nn.Module) -> None:
+        self._target_io = (embed_tokens, lm_head)
+
+    def allocate_cache(self, num_slots: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        for layer in self.layers:
+            attn = layer.self_attn
+            shape = (num_slots, attn.num_kv_heads, attn.head_dim)
+            attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+            attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+
+    @torch.inference_mode()
+    def write_context(self, taps: torch.Tensor, meta: AttnMeta) -> None:
+        """taps [T, n_taps*hidden] of rows the target ran -> context K/V at meta.slots in every layer."""
+        ctx = self.hidden_norm(self.fc(taps))
+        cos, sin = self.rotary_emb(meta.positions)
+        for layer in self.layers:
+            layer.self_attn.write_kv(ctx, cos, sin, meta.slots)
+
+    @torch.inference_mode()
+    def forward(self, block_ids: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+        """block_ids [bs*B]: contiguous blocks [anchor, mask...] -> final-normed hidden [bs*B, hidden]."""
+        x = self._target_io[0](block_ids) * self.input_embedding_scale
+        cos, sin = self.rotary_emb(meta.positions)
+        for layer in self.layers:
+            x = layer(x, cos, sin, meta, self.block_size)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self._target_io[1](hidden).float() * self.output_multiplier
+        if self.softcap > 0:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    @torch.inference_mode()
+    def propose(self, hidden: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        """hidden [bs, B, hidden], anchor [bs] -> greedy drafts [bs, B-1] (row 0 is the anchor's own).
+        v1 drafts each row independently; the anchor matters only to DFlash2's selector."""
+        return self.compute_logits(hidden[:, 1:]).argmax(-1)
+
+
+class CandidateSelector(nn.Module):
+    """Scores candidate c after predecessor p at draft position l as
+    unary[l, c] + sum_r P[p, r] * proj(h_l)[r] * S[c, r]; the greedy walk follows the best path."""
+
+    def __init__(self, config: dict):
+        super().__init__()
+        rank = int(draft_value(config, "selector_rank"))
+        self.top_k = int(draft_value(config, "selector_top_k"))
+        self.predecessor_codebook = _replicated(config["vocab_size"], rank)
+        self.successor_codebook = _replicated(config["vocab_size"], rank)
+        self.hidden_projection = ReplicatedLinear(config["hidden_size"], rank)
+
+    def greedy_path(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        """hidden [bs, L, D], logits [bs, L, V], anchor [bs] -> tokens [bs, L]."""
+        unary, candidates = torch.topk(logits, self.top_k, dim=-1)                 # [bs, L, K]
+        # Fold the hidden projection into the successor side once: pair[l, c] = proj(h_l) * S[c].
+        succ = self.hidden_projection(hidden)[:, :, None, :] * self.successor_codebook[candidates]
+        prev, path = anchor, []
+        for pos in range(candidates.shape[1]):
+            scores = unary[:, pos] + torch.einsum("br,bkr->bk", self.predecessor_codebook[prev], succ[:, pos])
+            prev = candidates[:, pos].gather(-1, scores.argmax(-1, keepdim=True))[:, 0]
+            path.append(prev)
+        return torch.stack(path, dim=1)
+
+
+class DFlash2Drafter(DFlashDrafter):
+    """DFlash2: conv-wrapped layers and a candidate-selector proposal."""
+
+    conv_layers = True
+
+    def __init__(self, config: dict):
+        super().__init__(config)
+        self.candidate_selector = CandidateSelector(config)
+
+    def checkpoint_name(self, name: str) -> str | None:
+        name = super().checkpoint_name(name)
+        # The codebooks are bare parameters (TokenSpeed's layout); z-lab's save_pretrained writes
+        # them as nn.Embedding weights with a `.weight` suffix.
+        for book in ("predecessor_codebook", "successor_codebook"):
+            if name == f"candidate_selector.{book}.weight":
+                return f"candidate_selector.{book}"
+        return name
+
+    @torch.inference_mode()
+    def propose(self, hidden: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        rows = hidden[:, 1:]
+        return self.candidate_selector.greedy_path(rows, self.compute_logits(rows), anchor)

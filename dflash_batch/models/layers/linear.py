@@ -1,0 +1,97 @@
+"""Linear layers and embeddings that know how they are split across tensor-parallel ranks.
+
+Each parameter carries `shard_dim`: the dim along which the checkpoint tensor is cut into
+`world_size` equal slices (None = replicated). The loader reads only this rank's slice.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_batch import parallel
+
+
+def _param(shape: tuple[int, ...], shard_dim: int | None) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape), requires_grad=False)
+    p.shard_dim = shard_dim
+    return p
+
+
+def _split(n: int, what: str) -> int:
+    tp = parallel.world_size()
+    if n % tp:
+        raise ValueError(f"{what}={n} is not divisible by tensor_parallel_size={tp}")
+    return n // tp
+
+
+class ReplicatedLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.weight = _param((out_features, in_features), None)
+        self.bias = _param((out_features,), None) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Output features split across ranks; each rank returns its own slice (no collective)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        local = _split(out_features, "out_features")
+        self.weight = _param((local, in_features), 0)
+        self.bias = _param((local,), 0) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """Input features split across ranks; partial outputs are summed with an all-reduce."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, reduce: bool = True):
+        super().__init__()
+        local = _split(in_features, "in_features")
+        self.weight = _param((out_features, local), 1)
+        self.bias = _param((out_features,), None) if bias else None
+        self.reduce = reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.reduce:
+            y = parallel.all_reduce(y)
+        # Bias is added once, after the sum, so it is not counted world_size times.
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split across ranks; out-of-shard ids contribute zeros, then all-reduce."""
+
+    def __init__(self, vocab_size: int, dim: int):
+        super().__init__()
+        self.local_vocab = _split(vocab_size, "vocab_size")
+        self.start = parallel.rank() * self.local_vocab
+        self.weight = _param((self.local_vocab, dim), 0)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if parallel.world_size() == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.local_vocab)
+        out = F.embedding(local.clamp(0, self.local_vocab - 1), self.weight)
+        out = out * inside.unsqueeze(-1).to(out.dtype)
+        return parallel.all_reduce(out)
+
+
+class ParallelLMHead(nn.Module):
+    """Vocab-parallel output projection; the full logits row is gathered on every rank."""
+
+    def __init__(self, dim: int, vocab_size: int):
+        super().__init__()
+        self.weight = _param((_split(vocab_size, "vocab_size"), dim), 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return parallel.all_gather_last(F.linear(x, self.weight))

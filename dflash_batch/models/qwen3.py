@@ -1,0 +1,166 @@
+"""Qwen3 dense decoder as a DFlash target: paged-KV forward that also returns tapped hidden states.
+
+Module names mirror the Hugging Face checkpoint (`model.layers.{i}.self_attn.q_proj`, ...) so the
+loader maps tensors 1:1. Rows of all sequences in a step are packed into one [T, ...] batch;
+`AttnMeta` says which rows belong to which sequence and where their K/V live in the paged cache.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dflash_batch import parallel
+from dflash_batch.backends.torch_attention import paged_attention, write_cache
+from dflash_batch.engine.context import AttnMeta
+from dflash_batch.models.layers.activation import silu_and_mul
+from dflash_batch.models.layers.linear import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from dflash_batch.models.layers.norm import RMSNorm
+from dflash_batch.models.layers.rope import apply_rope, rope_from_config
+
+
+def _heads_per_rank(n: int, what: str) -> int:
+    tp = parallel.world_size()
+    if n % tp:
+        raise ValueError(f"{what}={n} is not divisible by tensor_parallel_size={tp}")
+    return n // tp
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, config: dict):
+        super().__init__()
+        hidden = config["hidden_size"]
+        heads = config["num_attention_heads"]
+        kv_heads = config["num_key_value_heads"]
+        self.head_dim = config.get("head_dim") or hidden // heads
+        self.num_heads = _heads_per_rank(heads, "num_attention_heads")
+        self.num_kv_heads = _heads_per_rank(kv_heads, "num_key_value_heads")
+        self.scale = self.head_dim ** -0.5
+        bias = bool(config.get("attention_bias", False))
+        eps = config["rms_norm_eps"]
+        self.q_proj = ColumnParallelLinear(hidden, heads * self.head_dim, bias)
+        self.k_proj = ColumnParallelLinear(hidden, kv_heads * self.head_dim, bias)
+        self.v_proj = ColumnParallelLinear(hidden, kv_heads * self.head_dim, bias)
+        self.o_proj = RowParallelLinear(heads * self.head_dim, hidden, bias)
+        # Qwen3 normalises each head's q and k (over head_dim) before RoPE.
+        self.q_norm = RMSNorm(self.head_dim, eps)
+        self.k_norm = RMSNorm(self.head_dim, eps)
+        # Plain attributes, not buffers: the cache is runtime state, not part of the checkpoint.
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(T, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        write_cache(self.k_cache, meta.slots, k)
+        write_cache(self.v_cache, meta.slots, v)
+        o = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, causal=True)
+        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
+
+
+class Qwen3MLP(nn.Module):
+    def __init__(self, config: dict):
+        super().__init__()
+        hidden, inter = config["hidden_size"], config["intermediate_size"]
+        self.gate_proj = ColumnParallelLinear(hidden, inter)
+        self.up_proj = ColumnParallelLinear(hidden, inter)
+        self.down_proj = RowParallelLinear(inter, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, config: dict):
+        super().__init__()
+        eps = config["rms_norm_eps"]
+        self.self_attn = Qwen3Attention(config)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = RMSNorm(config["hidden_size"], eps)
+        self.post_attention_layernorm = RMSNorm(config["hidden_size"], eps)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen3Model(nn.Module):
+    """Holds the `model.` part of the checkpoint names; Qwen3ForCausalLM.forward drives it."""
+
+    def __init__(self, config: dict):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config["vocab_size"], config["hidden_size"])
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config) for _ in range(config["num_hidden_layers"]))
+        self.norm = RMSNorm(config["hidden_size"], config["rms_norm_eps"])
+
+
+class Qwen3ForCausalLM(nn.Module):
+    def __init__(self, config: dict):
+        super().__init__()
+        if config.get("use_sliding_window"):
+            raise NotImplementedError("Qwen3 with use_sliding_window=true is not supported")
+        if config.get("hidden_act", "silu") != "silu":
+            raise NotImplementedError(f"hidden_act={config['hidden_act']!r} is not supported")
+        self.config = config
+        self.hidden_size: int = config["hidden_size"]
+        self.vocab_size: int = config["vocab_size"]
+        self.model = Qwen3Model(config)
+        self.lm_head = ParallelLMHead(self.hidden_size, self.vocab_size)
+        if config.get("tie_word_embeddings", False):
+            # Embedding and head are cut the same way (vocab rows), so one shared parameter
+            # serves both; the loader fills it from model.embed_tokens.weight.
+            self.lm_head.weight = self.model.embed_tokens.weight
+        head_dim = config.get("head_dim") or self.hidden_size // config["num_attention_heads"]
+        self.rotary_emb = rope_from_config(config, head_dim)
+        self.tap_ids: list[int] = []
+
+    @property
+    def embed_tokens(self) -> VocabParallelEmbedding:
+        return self.model.embed_tokens
+
+    def checkpoint_name(self, name: str) -> str | None:
+        # With tied embeddings the head has no tensor of its own; a stored copy is redundant.
+        if name == "lm_head.weight" and self.config.get("tie_word_embeddings", False):
+            return None
+        return name
+
+    def allocate_cache(self, num_slots: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            shape = (num_slots, attn.num_kv_heads, attn.head_dim)
+            attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+            attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+
+    def set_taps(self, layer_ids: list[int]) -> None:
+        n = len(self.model.layers)
+        if len(set(layer_ids)) != len(layer_ids) or any(not 0 <= i < n for i in layer_ids):
+            raise ValueError(f"tap layer ids must be unique and in [0, {n}), got {layer_ids}")
+        self.tap_ids = sorted(layer_ids)
+
+    def forward(self, input_ids: torch.Tensor, meta: AttnMeta) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """input_ids [T] -> (logits [R, vocab] float32 for meta.logits_rows, taps [T, n_taps*hidden] | None)."""
+        if self.model.layers[0].self_attn.k_cache is None:
+            raise RuntimeError("allocate_cache() must be called before forward()")
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(meta.positions)
+        taps = []
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, cos, sin, meta)
+            if i in self.tap_ids:
+                taps.append(h)
+        h = self.model.norm(h)
+        # transformers 5.x reports hidden_states[-1] (the last layer's output) AFTER the final
+        # norm (capture_outputs swaps in last_hidden_state), and DFlash drafters are trained on
+        # those features, so a tap on the last layer takes the normed stream too.
+        if self.tap_ids and self.tap_ids[-1] == len(self.model.layers) - 1:
+            taps[-1] = h
+        logits = self.lm_head(h[meta.logits_rows]).float()
+        return logits, torch.cat(taps, dim=-1) if taps else None

@@ -1,0 +1,34 @@
+"""Length buckets: rows of similar total length (prompt + max_new_tokens) are decoded together."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from dflash_batch.job import Job
+
+
+@dataclass(frozen=True)
+class Bucket:
+    index: int
+    name: str              # "0-2048", "2048-8192", ... (lower edge exclusive)
+    max_tokens: int        # prompt + max_new_tokens fits in this
+    max_num_seqs: int
+    speculation: bool
+    block_size: int | None  # None: the drafter's own
+
+
+def plan_buckets(job: Job) -> list[Bucket]:
+    specs = job.resolved_buckets()
+    out, low = [], 0
+    for i, b in enumerate(specs):
+        out.append(Bucket(i, f"{low}-{b.max_tokens}", b.max_tokens,
+                          b.max_num_seqs or job.engine.max_num_seqs, b.speculation, b.block_size))
+        low = b.max_tokens
+    return out
+
+
+def assign_bucket(total_tokens: int, edges: list[int]) -> int | None:
+    """Index of the smallest bucket whose edge holds total_tokens; None if none does."""
+    i = bisect.bisect_left(edges, total_tokens)
+    return i if i < len(edges) else None

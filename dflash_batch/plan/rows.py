@@ -1,0 +1,168 @@
+"""From input records to prepared rows: id, prompt tokens, sampling, bucket, or an error.
+
+Everything wrong with one row (bad JSON, missing or mistyped prompt, empty prompt, over-long
+prompt, a bad per-row override) becomes an error row here; the job goes on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from dflash_batch.io.inputs import Record
+from dflash_batch.job import Job, SamplingSpec
+from dflash_batch.plan.buckets import assign_bucket
+from dflash_batch.plan.shards import hash64
+from dflash_batch.plan.tokenize import Tokenizer
+
+
+@dataclass(slots=True)
+class PreparedRow:
+    row_id: str
+    passthrough: dict[str, Any]
+    sampling: SamplingSpec
+    prompt_ids: list[int] | None = None
+    prompt_text: str | None = None
+    bucket: int | None = None
+    prompt_truncated: bool = False
+    error_type: str | None = None
+    error: str | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    def fail(self, kind: str, message: str) -> None:
+        self.error_type, self.error, self.prompt_ids = kind, message, None
+
+
+def fallback_row_id(source: str, index: int) -> str:
+    return f"{hash64(f'{source}:{index}'):016x}"
+
+
+def sample_seed(job_seed: int, row_id: str, sample_index: int) -> int:
+    return hash64(f"{job_seed}:{row_id}:{sample_index}") & (2**63 - 1)
+
+
+class RowPreparer:
+    """Turns batches of records into prepared rows for one job."""
+
+    def __init__(self, job: Job, tokenizer: Tokenizer):
+        self.job, self.spec, self.tok = job, job.input, tokenizer
+        self.edges = [b.max_tokens for b in job.resolved_buckets()]
+        self.base_sampling = job.sampling.model_dump()
+
+    def row_id(self, rec: Record) -> tuple[str, str | None]:
+        col = self.spec.id_column
+        if col is None or rec.data is None:
+            return fallback_row_id(rec.source, rec.index), None
+        value = rec.data.get(col)
+        if isinstance(value, str) and value:
+            return value, None
+        if isinstance(value, int) and not isinstance(value, bool):
+            return str(value), None
+        return fallback_row_id(rec.source, rec.index), f"id column {col!r} is {value!r}"
+
+    def _sampling(self, data: dict, row: PreparedRow) -> None:
+        overrides = {f: data.get(c) for f, c in self.spec.sampling_columns.items()
+                     if data.get(c) is not None}
+        if not overrides:
+            return
+        try:
+            row.sampling = SamplingSpec.model_validate({**self.base_sampling, **overrides})
+            row.overrides = overrides
+        except ValidationError as e:
+            bad = "; ".join(f"{self.spec.sampling_columns.get(str(x['loc'][0]), x['loc'][0])}: "
+                            f"{x['msg']}" for x in e.errors())
+            row.fail("bad_sampling_override", bad)
+
+    def _prompt(self, data: dict, row: PreparedRow) -> tuple[str, Any] | None:
+        """('text'|'chat'|'ids', value) or None after recording an error."""
+        spec = self.spec
+        col = spec.prompt_column or spec.messages_column or spec.input_ids_column
+        value = data.get(col)
+        if value is None:
+            row.fail("missing_prompt", f"column {col!r} is missing or null")
+            return None
+        if spec.prompt_column:
+            if not isinstance(value, str):
+                row.fail("bad_prompt_type", f"column {col!r} must be a string, got {type(value).__name__}")
+            elif not value.strip():
+                row.fail("empty_prompt", f"column {col!r} is empty")
+            else:
+                return "text", value
+        elif spec.messages_column:
+            if not (isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value)):
+                row.fail("bad_prompt_type", f"column {col!r} must be a list of {{role, content}} messages")
+            elif not value:
+                row.fail("empty_prompt", f"column {col!r} has no messages")
+            else:
+                if spec.system_prompt and value[0].get("role") != "system":
+                    value = [{"role": "system", "content": spec.system_prompt}, *value]
+                try:
+                    kwargs = self.job.sampling.chat_template_kwargs
+                    return "chat", self.tok.render_chat(value, kwargs)
+                except Exception as e:  # a template error concerns this row only
+                    row.fail("chat_template_error", f"{type(e).__name__}: {e}")
+        else:
+            if not (isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                    and t >= 0 for t in value)):
+                row.fail("bad_prompt_type", f"column {col!r} must be a list of non-negative ints")
+            elif not value:
+                row.fail("empty_prompt", f"column {col!r} is empty")
+            else:
+                return "ids", list(value)
+        return None
+
+    def _fit(self, row: PreparedRow) -> None:
+        """Apply the overflow policy and pick the bucket."""
+        limit, max_new = self.edges[-1], row.sampling.max_new_tokens
+        budget = limit - max_new
+        n = len(row.prompt_ids)
+        if budget < 1:
+            row.fail("max_new_tokens_too_large", f"max_new_tokens {max_new} leaves no room for a "
+                     f"prompt within {limit} tokens")
+            return
+        if n > budget:
+            policy = self.job.overflow
+            if policy == "error":
+                row.fail("prompt_too_long", f"prompt has {n} tokens; with max_new_tokens {max_new} "
+                         f"it exceeds {limit} (set overflow: truncate_left/truncate_right to truncate)")
+                return
+            row.prompt_ids = row.prompt_ids[-budget:] if policy == "truncate_left" else row.prompt_ids[:budget]
+            row.prompt_truncated = True
+        row.bucket = assign_bucket(len(row.prompt_ids) + max_new, self.edges)
+
+    def prepare(self, records: list[Record]) -> list[PreparedRow]:
+        rows, texts, chats = [], [], []
+        passthrough = self.spec.passthrough_columns
+        for rec in records:
+            row_id, id_problem = self.row_id(rec)
+            data = rec.data or {}
+            row = PreparedRow(row_id, {c: data.get(c) for c in passthrough}, self.job.sampling)
+            rows.append(row)
+            if rec.error:
+                row.fail("bad_input_line", f"{rec.source}: {rec.error}")
+                continue
+            if id_problem:
+                row.fail("bad_row_id", f"{rec.source} row {rec.index}: {id_problem}")
+                continue
+            self._sampling(data, row)
+            if row.error_type:
+                continue
+            prompt = self._prompt(data, row)
+            if prompt is None:
+                continue
+            kind, value = prompt
+            if kind == "ids":
+                row.prompt_ids = value
+            else:
+                row.prompt_text = value
+                (texts if kind == "text" else chats).append(row)
+        for group, special in ((texts, True), (chats, False)):
+            if group:
+                for row, ids in zip(group, self.tok.encode_batch([r.prompt_text for r in group], special)):
+                    row.prompt_ids = ids
+        for row in rows:
+            if row.prompt_ids is not None:
+                self._fit(row)
+        return rows

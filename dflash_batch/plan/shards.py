@@ -1,0 +1,80 @@
+"""Which rows this process owns: Slurm array shards by a stable hash of the row id.
+
+Assignment depends only on (row_id, shard count), never on file order, so it is stable across
+retries and across changes to how the input is split into files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from dflash_batch.job import JobError, ShardingSpec
+
+SLURM_VARS = ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_COUNT", "SLURM_ARRAY_TASK_MIN")
+
+
+@dataclass(frozen=True)
+class Shard:
+    index: int
+    count: int
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+
+def hash64(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+def shard_of(row_id: str, count: int) -> int:
+    return hash64(row_id) % count
+
+
+def parse_shard(text: str) -> Shard:
+    """`i/n` from the command line."""
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise JobError(f"--shard {text!r}: expected INDEX/COUNT, e.g. 3/16") from None
+    if not 0 <= i < n:
+        raise JobError(f"--shard {text!r}: need 0 <= INDEX < COUNT")
+    return Shard(i, n)
+
+
+def _slurm_shard(env: Mapping[str, str]) -> Shard:
+    present = {k: env.get(k) for k in SLURM_VARS}
+    missing = [k for k, v in present.items() if not v]
+    if missing:
+        raise JobError(f"Slurm array environment is incomplete: {', '.join(missing)} not set "
+                       f"(set: {', '.join(k for k in SLURM_VARS if k not in missing) or 'none'}). "
+                       "Run under `sbatch --array=...`, or pass --shard INDEX/COUNT.")
+    try:
+        task, count, low = (int(present[k]) for k in SLURM_VARS)
+        step = int(env.get("SLURM_ARRAY_TASK_STEP") or 1)
+        high = int(env["SLURM_ARRAY_TASK_MAX"]) if env.get("SLURM_ARRAY_TASK_MAX") else None
+    except ValueError:
+        raise JobError(f"Slurm array variables are not integers: {present}") from None
+    offset = task - low
+    if count < 1 or step < 1 or offset < 0 or offset % step:
+        raise JobError(f"inconsistent Slurm array: task {task}, min {low}, step {step}, count {count}")
+    index = offset // step
+    if index >= count or (high is not None and high != low + (count - 1) * step):
+        raise JobError(f"inconsistent Slurm array: task {task} with min {low}, max {high}, step "
+                       f"{step}, count {count}. Only evenly spaced arrays (--array=A-B[:S]) map "
+                       "to shards; pass --shard INDEX/COUNT otherwise.")
+    return Shard(index, count)
+
+
+def resolve_shard(spec: ShardingSpec, env: Mapping[str, str], override: Shard | None = None) -> Shard:
+    """The shard this process runs: --shard, then the job's sharding section, then Slurm."""
+    if override is not None:
+        return override
+    if spec.mode == "explicit":
+        return Shard(spec.index, spec.count)
+    if spec.mode == "none":
+        return Shard(0, 1)
+    if spec.mode == "slurm" or any(env.get(k) for k in SLURM_VARS):
+        return _slurm_shard(env)
+    return Shard(0, 1)

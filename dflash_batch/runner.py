@@ -1,0 +1,243 @@
+"""One job, one shard, from input files to committed Parquet parts.
+
+    records (io.inputs) -> this shard's rows, minus those already committed (plan.shards, io.ledger)
+    -> tokens + bucket (plan.rows) -> engine, bucket by bucket (engine.request.Engine)
+    -> output rows -> Parquet parts (io.outputs) -> shard stats (io.ledger)
+
+Input is processed in windows of `input.window_rows` rows so memory stays flat in the input size;
+inside a window every bucket is drained in turn so each batch holds similar lengths.
+"""
+
+from __future__ import annotations
+
+import queue
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from dflash_batch import __version__
+from dflash_batch.engine.request import Completion, Engine, Request, SamplingParams
+from dflash_batch.io.inputs import Record, check_inputs, read_records
+from dflash_batch.io.ledger import committed_keys, lock_run, shard_dir, write_shard_stats
+from dflash_batch.io.outputs import RESERVED, PartWriter
+from dflash_batch.job import Job, JobError, SamplingSpec
+from dflash_batch.plan.buckets import Bucket, plan_buckets
+from dflash_batch.plan.rows import PreparedRow, RowPreparer, sample_seed
+from dflash_batch.plan.shards import Shard, shard_of
+from dflash_batch.plan.tokenize import Tokenizer, stop_token_ids
+
+EngineFactory = Callable[[Job, Tokenizer], Engine]
+
+
+class Preempted(Exception):
+    """SIGTERM arrived: finished rows were committed, the rest is left for the resumed run."""
+
+
+@dataclass
+class RunResult:
+    shard: Shard
+    rows_written: int
+    stats: dict[str, dict]
+
+
+class _Run:
+    def __init__(self, job: Job, shard: Shard, tokenizer: Tokenizer, engine: Engine, config_hash: str,
+                 progress: bool):
+        self.job, self.shard, self.tok, self.engine = job, shard, tokenizer, engine
+        self.config_hash, self.progress = config_hash, progress
+        self.buckets = plan_buckets(job)
+        self.eos = tuple(stop_token_ids(job.model.target, tokenizer))
+        out_dir = Path(job.output.dir)
+        self.done = committed_keys(out_dir, shard.index)
+        optional = [c for c, on in (("response_token_ids", job.output.include_token_ids),
+                                    ("rendered_prompt", job.output.include_prompt)) if on]
+        self.writer = PartWriter(
+            shard_dir(out_dir, shard.index), passthrough=job.input.passthrough_columns,
+            optional=optional, rows_per_part=job.output.rows_per_part,
+            flush_seconds=job.output.flush_seconds, compression=job.output.compression,
+            metadata={"dflash_batch.version": __version__, "dflash_batch.config_hash": config_hash,
+                      "dflash_batch.job": job.model_dump_json()})
+        self.stop = threading.Event()
+        self.default_params = self._params(job.sampling)
+
+    # -- rows ----------------------------------------------------------------------------------
+    def _base_row(self, row: PreparedRow, sample_index: int, seed: int | None = None) -> dict:
+        if seed is None:
+            seed = sample_seed(row.sampling.seed, row.row_id, sample_index)
+        out = {"row_id": row.row_id, "sample_index": sample_index, "passthrough": row.passthrough,
+               "seed": seed,
+               "prompt_truncated": row.prompt_truncated, "shard_index": self.shard.index,
+               "config_hash": self.config_hash, "rendered_prompt": row.prompt_text,
+               "prompt_tokens": len(row.prompt_ids) if row.prompt_ids is not None else None}
+        if row.bucket is not None:
+            out["bucket"] = self.buckets[row.bucket].name
+        return out
+
+    def _error_row(self, row: PreparedRow, sample_index: int) -> dict:
+        return {**self._base_row(row, sample_index), "status": "error", "finish_reason": "error",
+                "error_type": row.error_type, "error": row.error}
+
+    def _ok_row(self, row: PreparedRow, seed: int, c: Completion) -> dict:
+        out = {**self._base_row(row, c.key[1], seed), "status": "ok", "response": c.text,
+               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+               "completion_tokens": len(c.token_ids), "response_token_ids": c.token_ids,
+               "ttft_s": c.ttft_s, "latency_s": c.latency_s}
+        if c.spec is not None:
+            rounds, accepted, b = c.spec.rounds, c.spec.accepted, c.spec.block_size
+            out.update(spec_block_size=b, spec_rounds=rounds, spec_accepted=accepted,
+                       spec_histogram=c.spec.histogram,
+                       acc_len=1 + accepted / rounds if rounds else None,
+                       proposal_acceptance=accepted / ((b - 1) * rounds) if rounds else None)
+        return out
+
+    def _params(self, s: SamplingSpec) -> SamplingParams:
+        """Engine sampling parameters of a row (seed still 0): EOS joins the stop ids."""
+        stops = tuple(dict.fromkeys(s.stop_token_ids if s.ignore_eos else (*self.eos, *s.stop_token_ids)))
+        return SamplingParams(s.temperature, s.top_p, s.top_k, s.max_new_tokens, tuple(s.stop), stops)
+
+    def _requests(self, row: PreparedRow) -> list[Request]:
+        s = row.sampling
+        base = self.default_params if s is self.job.sampling else self._params(s)
+        reqs = []
+        for i in range(s.n):
+            if (row.row_id, i) in self.done:
+                continue
+            params = SamplingParams(base.temperature, base.top_p, base.top_k, base.max_new_tokens,
+                                    base.stop, base.stop_token_ids, sample_seed(s.seed, row.row_id, i))
+            reqs.append(Request((row.row_id, i), row.prompt_ids, params))
+        return reqs
+
+    def _commit(self, row: dict) -> None:
+        self.writer.add(row)
+        if self.stop.is_set():
+            self.writer.flush()
+            raise Preempted()
+
+    # -- the loop ------------------------------------------------------------------------------
+    def _run_bucket(self, bucket: Bucket, rows: list[PreparedRow]) -> None:
+        by_key = {}
+        requests = []
+        for row in rows:
+            for req in self._requests(row):
+                by_key[req.key] = (row, req.params.seed)
+                requests.append(req)
+        if not requests:
+            return
+        bar = tqdm(total=len(requests), desc=f"bucket {bucket.name}", unit="req",
+                   disable=not self.progress, leave=True, dynamic_ncols=True)
+        tokens, rounds, accepted, t0 = 0, 0, 0, time.monotonic()
+        shown = t0
+        try:
+            for c in self.engine.generate(iter(requests), bucket):
+                self._commit(self._ok_row(*by_key.pop(c.key), c))
+                tokens += len(c.token_ids)
+                if c.spec is not None:
+                    rounds, accepted = rounds + c.spec.rounds, accepted + c.spec.accepted
+                bar.update(1)
+                if (now := time.monotonic()) - shown > 0.5:  # formatting per row would cost more
+                    shown = now
+                    post = {"tok/s": f"{tokens / (now - t0):.0f}"}
+                    if rounds:
+                        post["acc_len"] = f"{1 + accepted / rounds:.2f}"
+                    bar.set_postfix(post, refresh=False)
+        finally:
+            bar.close()
+        if by_key:
+            raise RuntimeError(f"engine returned no result for {len(by_key)} request(s), e.g. "
+                               f"{next(iter(by_key))}")
+
+    def _wanted(self, preparer: RowPreparer, rec: Record) -> bool:
+        """This shard's row, with at least one sample not yet committed."""
+        row_id, _ = preparer.row_id(rec)
+        return (shard_of(row_id, self.shard.count) == self.shard.index
+                and not all((row_id, i) in self.done for i in range(self.job.sampling.n)))
+
+    def _prepared_batches(self) -> Iterator[list[PreparedRow]]:
+        preparer = RowPreparer(self.job, self.tok)
+        for batch in read_records(self.job.input):
+            yield preparer.prepare([rec for rec in batch if self._wanted(preparer, rec)])
+
+    def _run_window(self, rows: list[PreparedRow]) -> None:
+        by_bucket: dict[int, list[PreparedRow]] = {}
+        for row in rows:
+            if row.error_type:
+                for i in range(row.sampling.n):
+                    if (row.row_id, i) not in self.done:
+                        self._commit(self._error_row(row, i))
+            else:
+                by_bucket.setdefault(row.bucket, []).append(row)
+        for b in sorted(by_bucket):
+            self._run_bucket(self.buckets[b], by_bucket[b])
+
+    def run(self) -> int:
+        window: list[PreparedRow] = []
+        # Reading and tokenising run one batch ahead in a thread: the tokenizer releases the GIL,
+        # and on a GPU run the next window is ready when the engine finishes this one.
+        for rows in _prefetch(self._prepared_batches()):
+            window += rows
+            if len(window) >= self.job.input.window_rows:
+                self._run_window(window)
+                window = []
+        self._run_window(window)
+        self.writer.flush()
+        return self.writer.committed_rows
+
+
+_DONE = object()
+
+
+def _prefetch(items: Iterator, depth: int = 2) -> Iterator:
+    """Iterate `items` in a background thread, `depth` items ahead; its errors re-raise here."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()  # set when the consumer goes away, so the thread does not block
+
+    def produce() -> None:
+        try:
+            for item in items:
+                while not stop.is_set():
+                    try:
+                        q.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            q.put(_DONE)
+        except BaseException as e:  # handed to the consumer, which re-raises it
+            q.put(e)
+
+    threading.Thread(target=produce, daemon=True, name="dflash-prefetch").start()
+    try:
+        while (item := q.get()) is not _DONE:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+
+
+def run_job(job: Job, engine_factory: EngineFactory, shard: Shard, progress: bool = True) -> RunResult:
+    """Run this shard of the job. Everything that can make the job fail as a whole (inputs,
+    tokenizer, run.json, checkpoints) is checked before the first row is generated."""
+    for col in job.input.passthrough_columns:
+        if col in RESERVED:
+            raise JobError(f"input.passthrough_columns: {col!r} collides with an output column")
+    check_inputs(job.input)
+    tokenizer = Tokenizer(job.model.tokenizer or job.model.target, job.model.chat_template)
+    config_hash = lock_run(Path(job.output.dir), job, shard)
+    engine = engine_factory(job, tokenizer)
+    run = _Run(job, shard, tokenizer, engine, config_hash, progress)
+    on_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, lambda *_: run.stop.set()) if on_main else None
+    try:
+        written = run.run()
+    finally:
+        if on_main:
+            signal.signal(signal.SIGTERM, previous)
+        stats = write_shard_stats(Path(job.output.dir), shard.index)
+    return RunResult(shard, written, stats)

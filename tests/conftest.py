@@ -1,0 +1,27 @@
+"""Shared fixtures: a tiny trained BPE tokenizer with a chat template, in HF layout."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.tiny_tokenizer import make_tokenizer_dir
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    return make_tokenizer_dir(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture()
+def model_dir(tmp_path, tokenizer_dir) -> Path:
+    """A 'target' directory with the tokenizer files and a config.json naming EOS."""
+    d = tmp_path / "model"
+    d.mkdir()
+    for f in tokenizer_dir.iterdir():
+        (d / f.name).write_bytes(f.read_bytes())
+    eos = json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"]["<|im_end|>"]
+    (d / "config.json").write_text(json.dumps({"architectures": ["FakeForTests"], "eos_token_id": eos}))
+    return d

@@ -1,0 +1,39 @@
+"""The command line: run without an engine, status from committed files."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from dflash_batch.plan.shards import Shard
+from dflash_batch.runner import run_job
+from tests.fake_engine import fake_factory
+from tests.jobs_util import base_job, write_job, write_jsonl
+
+CLI = [sys.executable, "-m", "dflash_batch.cli"]
+
+
+def test_run_without_an_engine_fails_clearly_before_writing_rows(tmp_path, model_dir):
+    write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "hi"}])
+    write_job(tmp_path, base_job(model_dir, ["p.jsonl"]))
+    out = subprocess.run([*CLI, "run", str(tmp_path / "job.yaml"), "--no-progress"], capture_output=True, text=True)
+    assert out.returncode == 2
+    assert "no engine for this model" in out.stderr
+    assert not list(tmp_path.rglob("part-*.parquet"))
+
+
+def test_status_counts_per_shard_and_bucket(tmp_path, model_dir):
+    write_jsonl(tmp_path / "p.jsonl", [{"id": f"r{i}", "prompt": "hi there" if i % 4 else ""} for i in range(20)])
+    doc = base_job(model_dir, ["p.jsonl"], buckets=[{"max_tokens": 32}, {"max_tokens": 256}])
+    job = write_job(tmp_path, doc)
+    for i in range(3):  # shard 2 of 3 is left undone
+        if i < 2:
+            run_job(job, fake_factory(), Shard(i, 3), progress=False)
+    out = subprocess.run([*CLI, "status", str(tmp_path / "out")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    shard_rows = {ln.split()[0]: ln.split()[1:] for ln in lines if ln.strip()[:1].isdigit() and len(ln.split()) == 3}
+    assert shard_rows["2"] == ["0", "0"]
+    total_ok = sum(int(v[0]) for k, v in shard_rows.items() if k in "012")
+    assert f"total: {total_ok} ok" in out.stdout
+    assert "0-32" in out.stdout and "3 shard(s)" in out.stdout

@@ -1,0 +1,87 @@
+"""Resume: killed runs, resumed, give exactly the rows of an uninterrupted run."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+from dflash_batch.plan.shards import Shard
+from dflash_batch.runner import run_job
+from tests.fake_engine import fake_factory
+from tests.jobs_util import base_job, read_out, write_job, write_jsonl
+
+ROOT = Path(__file__).resolve().parent.parent
+VOLATILE = {"ttft_s", "latency_s"}
+
+
+def _start(job_file: Path, delay: float) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tests.run_fake_job", str(job_file), str(delay)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _comparable(rows: list[dict]) -> dict:
+    keys = Counter((r["row_id"], r["sample_index"]) for r in rows)
+    assert max(keys.values()) == 1, "duplicate rows"
+    return {(r["row_id"], r["sample_index"]): {k: v for k, v in r.items() if k not in VOLATILE} for r in rows}
+
+
+def _job(tmp_path: Path, model_dir: Path, out: str) -> Path:
+    rows = [{"id": f"r{i}", "prompt": f"prompt number {i} " + "fox " * (i % 9)} for i in range(40)]
+    rows[7] = {"id": "r7", "prompt": ""}  # an error row must survive resumes too
+    write_jsonl(tmp_path / "p.jsonl", rows)
+    doc = base_job(model_dir, ["p.jsonl"], sampling={"n": 2, "max_new_tokens": 8},
+                   output={"dir": out, "rows_per_part": 3},
+                   buckets=[{"max_tokens": 24}, {"max_tokens": 256}])
+    write_job(tmp_path, doc, f"{out}.yaml")
+    return tmp_path / f"{out}.yaml"
+
+
+def test_sigkill_five_times_then_resume_equals_uninterrupted_run(tmp_path, model_dir):
+    reference = _job(tmp_path, model_dir, "ref")
+    from dflash_batch.job import load_job
+    run_job(load_job(reference), fake_factory(), Shard(0, 1), progress=False)
+    expected = _comparable(read_out(tmp_path / "ref"))
+    assert len(expected) == 80
+
+    job_file = _job(tmp_path, model_dir, "killed")
+    rng = random.Random(1234)
+    progress = []
+    for _ in range(5):
+        proc = _start(job_file, delay=0.02)
+        # wait for the child to commit something new, then kill it at a random moment
+        seen = len(read_out(tmp_path / "killed"))
+        deadline = time.monotonic() + 60
+        while len(read_out(tmp_path / "killed")) == seen and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.0, 0.15))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        progress.append(len(read_out(tmp_path / "killed")))
+    assert progress[-1] < 80, f"the runs finished before being killed: {progress}"
+    assert progress == sorted(progress) and progress[0] > 0
+    final = _start(job_file, delay=0.0)
+    assert final.wait(timeout=120) == 0, final.stderr.read().decode()
+    assert _comparable(read_out(tmp_path / "killed")) == expected
+    assert not list((tmp_path / "killed").rglob("*.tmp"))
+
+
+def test_sigterm_commits_finished_rows_and_exits_nonzero(tmp_path, model_dir):
+    job_file = _job(tmp_path, model_dir, "term")
+    proc = _start(job_file, delay=0.05)
+    deadline = time.monotonic() + 60
+    while not read_out(tmp_path / "term") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 143
+    done = read_out(tmp_path / "term")
+    assert 0 < len(done) < 80
+    final = _start(job_file, delay=0.0)
+    assert final.wait(timeout=120) == 0
+    rows = read_out(tmp_path / "term")
+    assert len(_comparable(rows)) == 80 and os.path.exists(tmp_path / "term" / "stats" / "shard-00000.json")
