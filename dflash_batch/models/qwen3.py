@@ -10,25 +10,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dflash_batch import parallel
 from dflash_batch.backends.torch_attention import paged_attention, write_cache
 from dflash_batch.engine.context import AttnMeta
 from dflash_batch.models.layers.activation import silu_and_mul
 from dflash_batch.models.layers.linear import (
     ColumnParallelLinear,
     ParallelLMHead,
+    per_rank,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
 from dflash_batch.models.layers.norm import RMSNorm
 from dflash_batch.models.layers.rope import apply_rope, rope_from_config
-
-
-def _heads_per_rank(n: int, what: str) -> int:
-    tp = parallel.world_size()
-    if n % tp:
-        raise ValueError(f"{what}={n} is not divisible by tensor_parallel_size={tp}")
-    return n // tp
 
 
 class Qwen3Attention(nn.Module):
@@ -38,8 +31,8 @@ class Qwen3Attention(nn.Module):
         heads = config["num_attention_heads"]
         kv_heads = config["num_key_value_heads"]
         self.head_dim = config.get("head_dim") or hidden // heads
-        self.num_heads = _heads_per_rank(heads, "num_attention_heads")
-        self.num_kv_heads = _heads_per_rank(kv_heads, "num_key_value_heads")
+        self.num_heads = per_rank(heads, "num_attention_heads")
+        self.num_kv_heads = per_rank(kv_heads, "num_key_value_heads")
         self.scale = self.head_dim ** -0.5
         bias = bool(config.get("attention_bias", False))
         eps = config["rms_norm_eps"]

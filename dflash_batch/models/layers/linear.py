@@ -19,7 +19,8 @@ def _param(shape: tuple[int, ...], shard_dim: int | None) -> nn.Parameter:
     return p
 
 
-def _split(n: int, what: str) -> int:
+def per_rank(n: int, what: str) -> int:
+    """This rank's share of n (heads, features, vocab rows); n must divide evenly."""
     tp = parallel.world_size()
     if n % tp:
         raise ValueError(f"{what}={n} is not divisible by tensor_parallel_size={tp}")
@@ -41,7 +42,7 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
-        local = _split(out_features, "out_features")
+        local = per_rank(out_features, "out_features")
         self.weight = _param((local, in_features), 0)
         self.bias = _param((local,), 0) if bias else None
 
@@ -54,7 +55,7 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, reduce: bool = True):
         super().__init__()
-        local = _split(in_features, "in_features")
+        local = per_rank(in_features, "in_features")
         self.weight = _param((out_features, local), 1)
         self.bias = _param((out_features,), None) if bias else None
         self.reduce = reduce
@@ -72,7 +73,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, vocab_size: int, dim: int):
         super().__init__()
-        self.local_vocab = _split(vocab_size, "vocab_size")
+        self.local_vocab = per_rank(vocab_size, "vocab_size")
         self.start = parallel.rank() * self.local_vocab
         self.weight = _param((self.local_vocab, dim), 0)
 
@@ -91,7 +92,7 @@ class ParallelLMHead(nn.Module):
 
     def __init__(self, dim: int, vocab_size: int):
         super().__init__()
-        self.weight = _param((_split(vocab_size, "vocab_size"), dim), 0)
+        self.weight = _param((per_rank(vocab_size, "vocab_size"), dim), 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return parallel.all_gather_last(F.linear(x, self.weight))
