@@ -38,10 +38,8 @@ class FakeEngine:
             i = text.find(s)
             if i >= 0:
                 text, finish, reason = text[:i], "stop", s
-        hist = [0] * self.block
-        for i in range(max(1, len(tokens) // 3)):
-            hist[(state >> i) % self.block] += 1
-        return Completion(req.key, tokens, text, finish, reason, SpecCounters(self.block, hist),
+        per_round = [(state >> i) % self.block for i in range(max(1, len(tokens) // 3))]
+        return Completion(req.key, tokens, text, finish, reason, SpecCounters(self.block, per_round),
                           ttft_s=0.001, latency_s=0.002)
 
     def generate(self, requests: Iterable[Request], bucket: Bucket) -> Iterator[Completion]:

@@ -35,18 +35,27 @@ class Request:
 
 @dataclass(slots=True)
 class SpecCounters:
-    """Per-sequence speculation record: histogram[n] = rounds in which n drafts were accepted."""
+    """Per-sequence speculation record: drafts accepted in each verify round, in order (the
+    last round counts only the tokens kept before a stop or max_new_tokens)."""
 
     block_size: int
-    histogram: list[int] = field(default_factory=list)
+    per_round: list[int] = field(default_factory=list)
 
     @property
     def rounds(self) -> int:
-        return sum(self.histogram)
+        return len(self.per_round)
 
     @property
     def accepted(self) -> int:
-        return sum(n * c for n, c in enumerate(self.histogram))
+        return sum(self.per_round)
+
+    @property
+    def histogram(self) -> list[int]:
+        """histogram[n] = rounds in which n drafts were accepted, n = 0..block_size-1."""
+        hist = [0] * self.block_size
+        for n in self.per_round:
+            hist[n] += 1
+        return hist
 
 
 @dataclass(slots=True)

@@ -220,12 +220,14 @@ class DFlashDrafter(nn.Module):
             layer.self_attn.write_kv(ctx, cos, sin, meta.slots)
 
     @torch.inference_mode()
-    def forward(self, block_ids: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
-        """block_ids [bs*B]: contiguous blocks [anchor, mask...] -> final-normed hidden [bs*B, hidden]."""
+    def forward(self, block_ids: torch.Tensor, meta: AttnMeta, block_size: int | None = None) -> torch.Tensor:
+        """block_ids [bs*B]: contiguous blocks [anchor, mask...] -> final-normed hidden [bs*B, hidden].
+        B is the drafter's trained block size unless the caller verifies a different width."""
+        block_size = block_size or self.block_size
         x = self._target_io[0](block_ids) * self.input_embedding_scale
         cos, sin = self.rotary_emb(meta.positions)
         for layer in self.layers:
-            x = layer(x, cos, sin, meta, self.block_size)
+            x = layer(x, cos, sin, meta, block_size)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,81 @@
+"""One sample being generated: its pages, tokens, drafts, counters and random stream."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from dflash_batch.engine.request import Completion, Request, SpecCounters
+
+
+class Sequence:
+    def __init__(self, request: Request, pages: list[int], block_size: int):
+        self.request = request
+        self.params = request.params
+        self.prompt = request.prompt_ids
+        self.pages = pages
+        self.prefilled = 0                 # prompt tokens whose target K/V is written
+        self.tokens: list[int] = []        # generated tokens; the last one is the next anchor
+        self.drafts: list[int] = []        # the drafter's proposal for the next verify
+        self.spec = SpecCounters(block_size) if block_size > 1 else None
+        self.finish_reason: str | None = None
+        self.stop_reason: str | None = None
+        self.text: str | None = None       # set when a stop string cut the output
+        self.generator = torch.Generator().manual_seed(self.params.seed)
+        self.t_admit = time.monotonic()
+        self.t_first: float | None = None
+
+    @property
+    def position(self) -> int:
+        """Position of the anchor (the last generated token): how many tokens have committed K/V."""
+        return len(self.prompt) + len(self.tokens) - 1
+
+    @property
+    def remaining(self) -> int:
+        """Tokens this sequence may still add, the anchor's own position included."""
+        return self.params.max_new_tokens - len(self.tokens) + 1
+
+    def coins(self, n: int) -> torch.Tensor:
+        """n uniforms from this sequence's own stream (zeros when greedy: nothing is drawn)."""
+        if self.params.temperature <= 0:
+            return torch.zeros(n)
+        return torch.rand(n, generator=self.generator)
+
+    def append(self, new: list[int]) -> int:
+        """Add a round's tokens, cut at a stop token or max_new_tokens; returns how many were kept."""
+        room = self.params.max_new_tokens - len(self.tokens)
+        kept = new[:room]
+        for i, t in enumerate(kept):
+            if t in self.params.stop_token_ids:
+                kept = kept[:i + 1]
+                self.finish_reason, self.stop_reason = "stop", str(t)
+                break
+        self.tokens += kept
+        if self.finish_reason is None and len(self.tokens) >= self.params.max_new_tokens:
+            self.finish_reason = "length"
+        return len(kept)
+
+    def check_stop_strings(self, decode, checked_tokens: int) -> None:
+        """Cut the output before the first stop string that the tokens since `checked_tokens`
+        completed; the tokens are cut after the one that completed it."""
+        stops = self.params.stop
+        if not stops:
+            return
+        for k in range(max(checked_tokens, 1), len(self.tokens) + 1):
+            text = decode(self.tokens[:k])
+            hits = [(i, s) for s in stops if (i := text.find(s)) >= 0]
+            if hits:
+                i, s = min(hits)
+                self.tokens = self.tokens[:k]
+                self.text, self.finish_reason, self.stop_reason = text[:i], "stop", s
+                return
+
+    def completion(self, decode) -> Completion:
+        now = time.monotonic()
+        if self.text is None:
+            ends_on_stop_token = self.finish_reason == "stop"
+            self.text = decode(self.tokens[:-1] if ends_on_stop_token else self.tokens)
+        return Completion(key=self.request.key, token_ids=self.tokens, text=self.text,
+                          finish_reason=self.finish_reason, stop_reason=self.stop_reason, spec=self.spec,
+                          ttft_s=(self.t_first or now) - self.t_admit, latency_s=now - self.t_admit)
