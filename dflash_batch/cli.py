@@ -12,8 +12,8 @@ import orjson
 
 from dflash_batch.io.ledger import read_committed
 from dflash_batch.io.outputs import output_json_schema
-from dflash_batch.job import JobError, job_json_schema, load_job
-from dflash_batch.plan.shards import parse_shard, resolve_shard
+from dflash_batch.job import Job, JobError, job_json_schema, load_job
+from dflash_batch.plan.shards import Shard, parse_shard, resolve_shard
 
 SCHEMA_DIR = Path(__file__).resolve().parent.parent / "schemas"
 EXIT_PREEMPTED = 143  # 128 + SIGTERM: Slurm's --requeue and wrappers read it as "terminated"
@@ -39,32 +39,83 @@ def main() -> None:
     """Offline batch generation with DFlash speculative decoding."""
 
 
+def _run_shard(job: Job, shard: Shard, progress: bool) -> None:
+    """Run one shard in this process (one tensor-parallel rank); rank 0 reports."""
+    from dflash_batch import parallel
+    from dflash_batch.engine import build_engine
+    from dflash_batch.runner import Preempted, run_job
+
+    try:
+        result = run_job(job, build_engine, shard, progress=progress)
+    except JobError as e:
+        _fail(e)
+    except Preempted:
+        click.echo("terminated: finished rows are committed; rerun the same command to resume", err=True)
+        sys.exit(EXIT_PREEMPTED)
+    if parallel.rank() == 0:
+        click.echo(f"\nshard {result.shard}: {result.rows_written} rows committed this run")
+        click.echo(_table(["bucket", "rows", "ok", "error", "tokens", "acc_len", "proposal_acc"],
+                          [[name, s["rows"], s["ok"], s["error"], s["completion_tokens"], s["acc_len"],
+                            s["proposal_acceptance"]] for name, s in result.stats.items()]))
+
+
+def _tp_rank(rank: int, world: int, port: int, job: Job, shard: Shard, progress: bool) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=rank, world_size=world)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank)
+    try:
+        _run_shard(job, shard, progress)
+    finally:
+        dist.destroy_process_group()
+
+
 @main.command()
 @click.argument("job_file", type=click.Path(dir_okay=False))
 @click.option("--shard", "shard_text", help="INDEX/COUNT; default: Slurm array variables, else 0/1.")
 @click.option("--output-dir", help="Override output.dir.")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
 def run(job_file: str, shard_text: str | None, output_dir: str | None, no_progress: bool) -> None:
-    """Run JOB_FILE (this process's shard of it); resumes where a previous run stopped."""
-    from dflash_batch.engine import build_engine
-    from dflash_batch.runner import Preempted, run_job
+    """Run JOB_FILE (this process's shard of it); resumes where a previous run stopped.
+
+    With model.tensor_parallel_size N > 1 it starts N local rank processes itself, unless it is
+    already one of N ranks started by torchrun or srun."""
+    from dflash_batch import parallel
 
     try:
         job = load_job(job_file)
         if output_dir:
             job = job.model_copy(update={"output": job.output.model_copy(update={"dir": output_dir})})
         shard = resolve_shard(job.sharding, os.environ, parse_shard(shard_text) if shard_text else None)
-        result = run_job(job, build_engine, shard, progress=not no_progress)
     except JobError as e:
         _fail(e)
-    except Preempted:
-        click.echo("terminated: finished rows are committed; rerun the same command to resume",
-                   err=True)
-        sys.exit(EXIT_PREEMPTED)
-    click.echo(f"\nshard {result.shard}: {result.rows_written} rows committed this run")
-    click.echo(_table(["bucket", "rows", "ok", "error", "tokens", "acc_len", "proposal_acc"],
-                      [[name, s["rows"], s["ok"], s["error"], s["completion_tokens"], s["acc_len"],
-                        s["proposal_acceptance"]] for name, s in result.stats.items()]))
+    tp = job.model.tensor_parallel_size
+    if parallel.init_from_env():
+        if parallel.world_size() != tp:
+            _fail(JobError(f"started with {parallel.world_size()} ranks but model.tensor_parallel_size is {tp}"))
+        _run_shard(job, shard, not no_progress)
+    elif tp == 1:
+        _run_shard(job, shard, not no_progress)
+    else:
+        import socket
+
+        import torch.multiprocessing as mp
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            mp.spawn(_tp_rank, args=(tp, port, job, shard, not no_progress), nprocs=tp)
+        except mp.ProcessExitedException as e:
+            sys.exit(e.exit_code)
+        except mp.ProcessRaisedException as e:
+            click.echo(f"error in a tensor-parallel rank:\n{e}", err=True)
+            sys.exit(1)
 
 
 @main.command()

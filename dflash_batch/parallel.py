@@ -38,6 +38,11 @@ def all_gather_last(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def barrier() -> None:
+    if world_size() > 1:
+        dist.barrier()
+
+
 def init_from_env(backend: str | None = None) -> bool:
     """Join the process group described by torchrun/srun variables; False if there is none."""
     if dist.is_initialized():

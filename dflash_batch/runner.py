@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from dflash_batch import __version__
+from dflash_batch import __version__, parallel
 from dflash_batch.engine.request import Completion, Engine, Request, SamplingParams
 from dflash_batch.io.inputs import Record, check_inputs, read_records
 from dflash_batch.io.ledger import committed_keys, lock_run, shard_dir, write_shard_stats
@@ -56,7 +56,7 @@ class _Run:
         self.done = committed_keys(out_dir, shard.index)
         optional = [c for c, on in (("response_token_ids", job.output.include_token_ids),
                                     ("rendered_prompt", job.output.include_prompt)) if on]
-        self.writer = PartWriter(
+        self.writer = None if parallel.rank() else PartWriter(
             shard_dir(out_dir, shard.index), passthrough=job.input.passthrough_columns,
             optional=optional, rows_per_part=job.output.rows_per_part,
             flush_seconds=job.output.flush_seconds, compression=job.output.compression,
@@ -113,6 +113,8 @@ class _Run:
         return reqs
 
     def _commit(self, row: dict) -> None:
+        if self.writer is None:  # tensor-parallel ranks other than 0 decode but do not write
+            return
         self.writer.add(row)
         if self.stop.is_set():
             self.writer.flush()
@@ -129,7 +131,7 @@ class _Run:
         if not requests:
             return
         bar = tqdm(total=len(requests), desc=f"bucket {bucket.name}", unit="req",
-                   disable=not self.progress, leave=True, dynamic_ncols=True)
+                   disable=not self.progress or self.writer is None, leave=True, dynamic_ncols=True)
         tokens, rounds, accepted, t0 = 0, 0, 0, time.monotonic()
         shown = t0
         try:
@@ -158,7 +160,7 @@ class _Run:
                 and not all((row_id, i) in self.done for i in range(self.job.sampling.n)))
 
     def _prepared_batches(self) -> Iterator[list[PreparedRow]]:
-        preparer = RowPreparer(self.job, self.tok)
+        preparer = RowPreparer(self.job, self.tok, getattr(self.engine, "vocab_size", None))
         for batch in read_records(self.job.input):
             yield preparer.prepare([rec for rec in batch if self._wanted(preparer, rec)])
 
@@ -184,6 +186,8 @@ class _Run:
                 self._run_window(window)
                 window = []
         self._run_window(window)
+        if self.writer is None:
+            return 0
         self.writer.flush()
         return self.writer.committed_rows
 
@@ -229,9 +233,15 @@ def run_job(job: Job, engine_factory: EngineFactory, shard: Shard, progress: boo
             raise JobError(f"input.passthrough_columns: {col!r} collides with an output column")
     check_inputs(job.input)
     tokenizer = Tokenizer(job.model.tokenizer or job.model.target, job.model.chat_template)
-    config_hash = lock_run(Path(job.output.dir), job, shard)
+    out_dir = Path(job.output.dir)
+    # Rank 0 creates run.json; every rank reads the committed rows before any rank writes more,
+    # so all ranks schedule the same requests (their collectives must match).
+    config_hash = lock_run(out_dir, job, shard) if parallel.rank() == 0 else None
+    parallel.barrier()
+    config_hash = config_hash or lock_run(out_dir, job, shard)
     engine = engine_factory(job, tokenizer)
     run = _Run(job, shard, tokenizer, engine, config_hash, progress)
+    parallel.barrier()
     on_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, lambda *_: run.stop.set()) if on_main else None
     try:
@@ -239,5 +249,5 @@ def run_job(job: Job, engine_factory: EngineFactory, shard: Shard, progress: boo
     finally:
         if on_main:
             signal.signal(signal.SIGTERM, previous)
-        stats = write_shard_stats(Path(job.output.dir), shard.index)
+        stats = write_shard_stats(out_dir, shard.index) if parallel.rank() == 0 else {}
     return RunResult(shard, written, stats)

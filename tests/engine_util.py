@@ -22,10 +22,13 @@ MASK = VOCAB - 1
 TAPS = [1, 2]
 
 
-def make_target(directory: Path, seed: int = 0, vocab: int = VOCAB, peaked: bool = True, **overrides) -> Path:
+def make_target(directory: Path, seed: int = 0, vocab: int = VOCAB, peaked: bool = True,
+                active: int | None = None, **overrides) -> Path:
     """A random Qwen3 target. `peaked`: its head is near rank one (logits ~ (h.u) * c + noise), so
     the argmax is mostly one of a few tokens at the ends of c; the drafter borrows that head and
-    proposes from the same few tokens, and rounds accept 0..B-1 drafts."""
+    proposes from the same few tokens, and rounds accept 0..B-1 drafts. `active`: only the first
+    `active` tokens get head rows (the rest score 0), for a large vocabulary that decodes like a
+    small one."""
     make_qwen3_checkpoint(directory, seed=seed, vocab_size=vocab, **overrides)
     if peaked:
         path = directory / "model.safetensors"
@@ -33,8 +36,10 @@ def make_target(directory: Path, seed: int = 0, vocab: int = VOCAB, peaked: bool
         gen = torch.Generator().manual_seed(seed + 99)
         hidden = weights["lm_head.weight"].shape[1]
         u = torch.randn(hidden, generator=gen) / hidden ** 0.5
-        c = torch.linspace(-1, 1, vocab)
-        weights["lm_head.weight"] = 3 * torch.outer(c, u) + 0.05 * torch.randn(vocab, hidden, generator=gen)
+        n = active or vocab
+        head = torch.zeros(vocab, hidden)
+        head[:n] = 3 * torch.outer(torch.linspace(-1, 1, n), u) + 0.05 * torch.randn(n, hidden, generator=gen)
+        weights["lm_head.weight"] = head
         save_file(weights, path, metadata={"format": "pt"})
     return directory
 

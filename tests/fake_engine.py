@@ -18,6 +18,7 @@ class FakeEngine:
     def __init__(self, tokenizer, vocab_size: int = 300, delay_s: float = 0.0, block_size: int = 8,
                  max_tokens: int | None = None):
         self.tok, self.vocab, self.delay, self.block = tokenizer, vocab_size, delay_s, block_size
+        self.vocab_size = None  # accepts any prompt id
         self.max_tokens = max_tokens
 
     def _complete(self, req: Request) -> Completion:

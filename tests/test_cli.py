@@ -13,12 +13,12 @@ from tests.jobs_util import base_job, write_job, write_jsonl
 CLI = [sys.executable, "-m", "dflash_batch.cli"]
 
 
-def test_run_without_an_engine_fails_clearly_before_writing_rows(tmp_path, model_dir):
+def test_run_with_an_unsupported_checkpoint_fails_before_writing_rows(tmp_path, model_dir):
     write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "hi"}])
     write_job(tmp_path, base_job(model_dir, ["p.jsonl"]))
     out = subprocess.run([*CLI, "run", str(tmp_path / "job.yaml"), "--no-progress"], capture_output=True, text=True)
     assert out.returncode == 2
-    assert "no engine for this model" in out.stderr
+    assert f"model.target {model_dir}: unsupported architecture 'FakeForTests'" in out.stderr
     assert not list(tmp_path.rglob("part-*.parquet"))
 
 

@@ -35,6 +35,7 @@ class Engine:
                  max_num_batched_tokens: int = 8192, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu"):
         self.target, self.drafter = target, drafter
+        self.vocab_size: int = target.vocab_size
         self.decode = decode or (lambda ids: "")
         self.page_size, self.budget = page_size, max_num_batched_tokens
         self.dtype, self.device = dtype, device

@@ -46,8 +46,8 @@ def sample_seed(job_seed: int, row_id: str, sample_index: int) -> int:
 class RowPreparer:
     """Turns batches of records into prepared rows for one job."""
 
-    def __init__(self, job: Job, tokenizer: Tokenizer):
-        self.job, self.spec, self.tok = job, job.input, tokenizer
+    def __init__(self, job: Job, tokenizer: Tokenizer, vocab_size: int | None = None):
+        self.job, self.spec, self.tok, self.vocab_size = job, job.input, tokenizer, vocab_size
         self.edges = [b.max_tokens for b in job.resolved_buckets()]
         self.base_sampling = job.sampling.model_dump()
 
@@ -118,6 +118,10 @@ class RowPreparer:
         limit, max_new = self.edges[-1], row.sampling.max_new_tokens
         budget = limit - max_new
         n = len(row.prompt_ids)
+        if self.vocab_size is not None and max(row.prompt_ids) >= self.vocab_size:
+            row.fail("token_out_of_range", f"prompt token id {max(row.prompt_ids)} is outside the "
+                     f"model's vocabulary of {self.vocab_size}")
+            return
         if budget < 1:
             row.fail("max_new_tokens_too_large", f"max_new_tokens {max_new} leaves no room for a "
                      f"prompt within {limit} tokens")

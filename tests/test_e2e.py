@@ -1,0 +1,83 @@
+"""`dflash-batch run` end to end on a tiny Qwen3 target + DFlash2 drafter with a real tokenizer."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.engine_util import make_drafter, make_target
+from tests.jobs_util import base_job, read_out, write_job, write_jsonl
+from tests.tiny_tokenizer import make_tokenizer_dir
+
+ROOT = Path(__file__).resolve().parent.parent
+CLI = [sys.executable, "-m", "dflash_batch.cli"]
+VOCAB = 256
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> tuple[Path, Path]:
+    d = tmp_path_factory.mktemp("pair")
+    target = make_target(d / "target", vocab=VOCAB, peaked=True, active=8)
+    make_tokenizer_dir(target, vocab_size=VOCAB)
+    make_drafter(d / "drafter", 2, vocab=VOCAB, sliding=True, window=16)
+    return target, d / "drafter"
+
+
+def _job(tmp_path: Path, pair, out: str, **sections) -> Path:
+    target, drafter = pair
+    rows = [{"id": f"r{i}", "prompt": "What is 12 plus 30? " * (1 + i % 7), "group": "ab"[i % 2]}
+            for i in range(10)]
+    rows.append({"id": "empty", "prompt": ""})
+    write_jsonl(tmp_path / "p.jsonl", rows)
+    doc = base_job(target, ["p.jsonl"], sampling={"n": 2, "max_new_tokens": 24},
+                   input={"passthrough_columns": ["group"]}, output={"dir": out, "rows_per_part": 4},
+                   buckets=[{"max_tokens": 64}, {"max_tokens": 256}], **sections)
+    doc["model"]["drafter"] = str(drafter)
+    doc["engine"]["max_num_seqs"] = 3
+    write_job(tmp_path, doc, f"{out}.yaml")
+    return tmp_path / f"{out}.yaml"
+
+
+def _run(job_file: Path) -> subprocess.CompletedProcess:
+    out = subprocess.run([*CLI, "run", str(job_file), "--no-progress"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return out
+
+
+def test_run_writes_rows_whose_counters_add_up(tmp_path, pair):
+    out = _run(_job(tmp_path, pair, "out"))
+    assert "taps: layers=(1, 2)" in out.stderr
+    rows = read_out(tmp_path / "out")
+    assert len(rows) == 22 and len({(r["row_id"], r["sample_index"]) for r in rows}) == 22
+    ok = [r for r in rows if r["status"] == "ok"]
+    assert len(ok) == 20 and {r["error_type"] for r in rows if r["status"] == "error"} == {"empty_prompt"}
+    for r in ok:
+        hist = r["spec_histogram"]
+        assert len(hist) == r["spec_block_size"] == 8
+        assert sum(hist) == r["spec_rounds"]
+        assert sum(k * c for k, c in enumerate(hist)) == r["spec_accepted"]
+        assert r["acc_len"] == pytest.approx(1 + r["spec_accepted"] / r["spec_rounds"])
+        # one token from the prefill, then accepted drafts + 1 bonus per round
+        assert r["completion_tokens"] == 1 + r["spec_rounds"] + r["spec_accepted"]
+        assert r["group"] in "ab" and r["finish_reason"] in ("stop", "length")
+    assert sum(r["spec_accepted"] for r in ok) > 0
+    stats = json.loads((tmp_path / "out" / "stats" / "shard-00000.json").read_text())["buckets"]
+    assert sum(b["rows"] for b in stats.values()) == 22
+    assert "acc_len" in out.stdout  # the summary table
+
+
+def test_tensor_parallel_2_run_equals_tp1(tmp_path, pair):
+    _run(_job(tmp_path, pair, "tp1"))
+    _run(_job(tmp_path, pair, "tp2", model={"tensor_parallel_size": 2}))
+    volatile = {"ttft_s", "latency_s", "config_hash"}
+
+    def rows(out):
+        return sorted(({k: v for k, v in r.items() if k not in volatile} for r in read_out(tmp_path / out)),
+                      key=lambda r: (r["row_id"], r["sample_index"]))
+
+    assert rows("tp1") == rows("tp2")
