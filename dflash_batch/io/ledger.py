@@ -9,6 +9,7 @@ Layout of an output directory:
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -128,18 +129,18 @@ def _per_bucket(code: np.ndarray, n: int, column: pa.ChunkedArray) -> list[int]:
     return np.bincount(code, weights=values, minlength=n).astype(np.int64).tolist()
 
 
-def bucket_stats(t: pa.Table) -> dict[str, dict]:
-    """Per-bucket totals; acceptance as ratios of sums (never means of per-row ratios)."""
+def _bucket_totals(t: pa.Table) -> dict[str, dict]:
+    """Raw per-bucket sums of one table's rows (histograms added position by position)."""
     buckets = pc.dictionary_encode(t["bucket"].fill_null("-")).combine_chunks()
     names, code = buckets.dictionary.to_pylist(), buckets.indices.to_numpy()
     n = len(names)
     ok = pc.cast(pc.equal(t["status"], "ok"), pa.int64())
     drafted = pc.multiply(pc.subtract(pc.cast(t["spec_block_size"], pa.int64()), 1), t["spec_rounds"])
-    totals = {"rows": np.bincount(code, minlength=n).tolist(), "ok": _per_bucket(code, n, ok),
-              "completion_tokens": _per_bucket(code, n, t["completion_tokens"]),
-              "spec_rounds": _per_bucket(code, n, t["spec_rounds"]),
-              "spec_accepted": _per_bucket(code, n, t["spec_accepted"]),
-              "spec_drafted": _per_bucket(code, n, drafted)}
+    sums = {"rows": np.bincount(code, minlength=n).tolist(), "ok": _per_bucket(code, n, ok),
+            "completion_tokens": _per_bucket(code, n, t["completion_tokens"]),
+            "spec_rounds": _per_bucket(code, n, t["spec_rounds"]),
+            "spec_accepted": _per_bucket(code, n, t["spec_accepted"]),
+            "spec_drafted": _per_bucket(code, n, drafted)}
     # Histograms: add each row's list into its bucket's row of a [buckets, width] matrix.
     hist = t["spec_histogram"].combine_chunks()
     lengths = pc.list_value_length(hist).fill_null(0).to_numpy()
@@ -148,19 +149,40 @@ def bucket_stats(t: pa.Table) -> dict[str, dict]:
     row_of_value = np.repeat(np.arange(len(lengths)), lengths)
     position = np.arange(len(values)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
     np.add.at(matrix, (code[row_of_value], position), values)
-    out = {}
-    for i, name in enumerate(names):
-        b = {k: v[i] for k, v in totals.items()}
+    return {name: {**{k: v[i] for k, v in sums.items()}, "spec_histogram": matrix[i].tolist()}
+            for i, name in enumerate(names)}
+
+
+def _add_lists(a: list[int], b: list[int]) -> list[int]:
+    n = max(len(a), len(b))
+    return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]
+
+
+def _merge(into: dict[str, dict], more: dict[str, dict]) -> None:
+    for name, b in more.items():
+        if name not in into:
+            into[name] = b
+            continue
+        a = into[name]
+        for k, v in b.items():
+            a[k] = _add_lists(a[k], v) if k == "spec_histogram" else a[k] + v
+
+
+def bucket_stats(tables: Iterable[pa.Table]) -> dict[str, dict]:
+    """Per-bucket totals over tables read one at a time (memory stays that of one part);
+    acceptance as ratios of sums, never means of per-row ratios."""
+    totals: dict[str, dict] = {}
+    for t in tables:
+        _merge(totals, _bucket_totals(t))
+    for b in totals.values():
         b["error"] = b["rows"] - b["ok"]
-        b["spec_histogram"] = matrix[i].tolist()
         b["acc_len"] = 1 + b["spec_accepted"] / b["spec_rounds"] if b["spec_rounds"] else None
         b["proposal_acceptance"] = b["spec_accepted"] / b["spec_drafted"] if b["spec_drafted"] else None
-        out[name] = b
-    return out
+    return totals
 
 
 def write_shard_stats(out_dir: Path, index: int) -> dict[str, dict]:
-    stats = bucket_stats(read_committed(out_dir, STAT_COLUMNS, index))
+    stats = bucket_stats(pq.read_table(f, columns=STAT_COLUMNS) for f in part_files(out_dir, index))
     (out_dir / "stats").mkdir(exist_ok=True)
     atomic_write_bytes(out_dir / "stats" / f"shard-{index:05d}.json",
                        orjson.dumps({"shard": index, "buckets": stats}, option=orjson.OPT_INDENT_2))

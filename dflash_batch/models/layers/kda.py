@@ -1,0 +1,126 @@
+"""Kimi Delta Attention (KDA) in plain torch: gate, short conv, L2 norm and the gated delta rule.
+
+Layouts (any leading batch dims `*B`, e.g. none for one sequence or [B] for a decode batch):
+  q, k   [*B, T, H, K]   q and k already L2-normalised per head; q is NOT pre-scaled (K^-0.5 is
+                         applied here, as the official model and fla/transformers do)
+  v      [*B, T, H, V]
+  g      [*B, T, H, K]   log-space decay per key channel, <= 0 (the output of `kda_gate`)
+  beta   [*B, T, H]      write strength after the sigmoid (beta = sigmoid(b_proj(x)))
+  state  [*B, H, K, V]   key-major, float32 (same as fla/transformers `[B, H, K, V]`); None = zeros
+  o      [*B, T, H, V]   float32
+Per token, per head (S is [K, V]):
+  S = S * exp(g)[:, None]            decay along the key channel
+  S = S + k ⊗ (beta * (v - Sᵀk))     delta rule, k read against the decayed S
+  o = Sᵀ(q * K^-0.5)                 read from the updated S
+Math runs in float32 (float64 inputs stay float64, for exactness tests).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """Cast to at least float32: the recurrent state accumulates over the whole sequence."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _init_state(state: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    if state is not None:
+        return state.to(k.dtype)
+    return k.new_zeros(*k.shape[:-3], k.shape[-2], k.shape[-1], v.shape[-1])
+
+
+def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float = -5.0) -> torch.Tensor:
+    """Log decay g = lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias[h, d])), in (lower_bound, 0).
+
+    f is [..., H, D] (f_b_proj output split into heads); dt_bias is [H*D] or [H, D]. A_log is per
+    head; the checkpoint pads it past num_heads with zeros, so only its first H entries count.
+    """
+    H, D = f.shape[-2:]
+    a = torch.exp(A_log.float().reshape(-1)[:H])[:, None]
+    return lower_bound * torch.sigmoid(a * (f.float() + dt_bias.float().reshape(H, D)))
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Per-head L2 norm over the last dim, eps inside the sqrt (as fla's kernel), in float32."""
+    x = _wide(x)
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def short_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal depthwise conv + SiLU over [*B, T, C] raw projections, continuing from conv_state.
+
+    weight is [C, W]; weight[:, -1] multiplies the current token. conv_state is [*B, C, W-1]: the
+    last W-1 raw inputs, oldest first (zeros for a fresh sequence), so a prompt fed in pieces
+    gives exactly the one-shot result. Returns (silu(conv) in x.dtype, new conv_state).
+    """
+    width = weight.shape[-1]
+    window = torch.cat([conv_state.transpose(-1, -2).to(x.dtype), x], dim=-2)  # [*B, W-1+T, C]
+    taps = window.unfold(-2, width, 1)  # [*B, T, C, W]
+    ct = torch.promote_types(x.dtype, weight.dtype)
+    out = (taps.to(ct) * weight.to(ct)).sum(-1)
+    new_state = window[..., window.shape[-2] - (width - 1) :, :].transpose(-1, -2)
+    return F.silu(out).to(x.dtype), new_state.to(conv_state.dtype)
+
+
+def kda_recurrent(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token KDA (decode / verify). Returns (o, new_state); layouts in the module doc."""
+    q, k, v, g, beta = map(_wide, (q, k, v, g, beta))
+    q = q * q.shape[-1] ** -0.5
+    S = _init_state(state, k, v)
+    out = []
+    for t in range(q.shape[-3]):
+        q_t, k_t, v_t = q[..., t, :, :], k[..., t, :, :], v[..., t, :, :]
+        S = S * g[..., t, :, :, None].exp()
+        err = v_t - torch.einsum("...hk,...hkv->...hv", k_t, S)
+        S = S + k_t[..., :, None] * (beta[..., t, :, None] * err)[..., None, :]
+        out.append(torch.einsum("...hk,...hkv->...hv", q_t, S))
+    return torch.stack(out, dim=-3), S
+
+
+def kda_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor | None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked KDA (prefill), equal to `kda_recurrent` up to rounding; any T, last chunk may be short.
+
+    Inside a chunk with cumulative log decay G_t (inclusive) and entry state S0, the updates
+    u_t = beta_t * (v_t - (decayed S before t)ᵀ k_t) satisfy the unit lower-triangular system
+      u_t + beta_t * sum_{j<t} <k_t, k_j * exp(G_t - G_j)> u_j = beta_t * (v_t - S0ᵀ(exp(G_t) * k_t))
+    (the WY/UT form), so one triangular solve replaces the token loop. Then
+      o_t  = S0ᵀ(exp(G_t) * q_t) + sum_{j<=t} <q_t, k_j * exp(G_t - G_j)> u_j
+      S_C  = exp(G_C) * S0 + sum_j (k_j * exp(G_C - G_j)) ⊗ u_j
+    Decays are taken pairwise as exp(G_t - G_j) <= 1 rather than factored into exp(G_t) / exp(G_j),
+    which would overflow once a chunk's decay passes ~-88 in float32.
+    """
+    q, k, v, g, beta = (_wide(x).transpose(-3, -2) for x in (q, k, v, g, beta[..., None]))  # [*B, H, T, .]
+    q = q * q.shape[-1] ** -0.5
+    S = _init_state(state, k, v)
+    out = []
+    for s in range(0, q.shape[-2], chunk_size):
+        c = slice(s, s + chunk_size)
+        qc, kc, vc, bc = q[..., c, :], k[..., c, :], v[..., c, :], beta[..., c, :]
+        G = g[..., c, :].cumsum(-2)
+        n = G.shape[-2]
+        causal = torch.ones(n, n, dtype=torch.bool, device=G.device).tril()
+        # decay[t, j, :] = exp(G_t - G_j) for j <= t; -inf before exp keeps j > t at 0 without overflow
+        decay = (G[..., :, None, :] - G[..., None, :, :]).masked_fill(~causal[:, :, None], float("-inf")).exp()
+        kk = torch.einsum("...tk,...jk,...tjk->...tj", kc, kc, decay)
+        qk = torch.einsum("...tk,...jk,...tjk->...tj", qc, kc, decay)
+        lhs = torch.eye(n, dtype=G.dtype, device=G.device) + (bc * kk).tril(-1)
+        rhs = torch.cat([bc * vc, bc * (G.exp() * kc)], dim=-1)
+        sol = torch.linalg.solve_triangular(lhs, rhs, upper=False, unitriangular=True)
+        u = sol[..., : vc.shape[-1]] - sol[..., vc.shape[-1] :] @ S
+        out.append((qc * G.exp()) @ S + qk @ u)
+        G_last = G[..., -1:, :]
+        S = G_last.exp().transpose(-1, -2) * S + (kc * (G_last - G).exp()).transpose(-1, -2) @ u
+    return torch.cat(out, dim=-2).transpose(-3, -2), S
