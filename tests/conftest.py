@@ -6,8 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.tiny_tokenizer import make_tokenizer_dir
+
+# The tiny models here gain nothing from intra-op threads, and on a 2-core machine that is
+# also running other processes a second thread makes every small op wait for it.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@ Caches are flat [num_slots, kv_heads, head_dim]; slot = page_id * page_size + of
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from dflash_batch.engine.context import AttnMeta
 
@@ -14,12 +15,15 @@ def write_cache(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) 
     cache.index_copy_(0, slots, values.to(cache.dtype))
 
 
+def key_slots(meta: AttnMeta) -> torch.Tensor:
+    """[bs, max_kv] cache slot of key positions 0..max_kv-1 of every sequence."""
+    pos = torch.arange(meta.max_kv, device=meta.block_tables.device)
+    return meta.block_tables[:, pos // meta.page_size] * meta.page_size + pos % meta.page_size
+
+
 def gather_keys(cache: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
     """[bs, max_kv, ...] cache rows of key positions 0..max_kv-1 of every sequence."""
-    pos = torch.arange(meta.max_kv, device=cache.device)
-    pages = meta.block_tables[:, pos // meta.page_size]
-    slots = pages * meta.page_size + pos % meta.page_size
-    return cache[slots]
+    return cache[meta.shared("key_slots", lambda: key_slots(meta))]
 
 
 def visible_mask(meta: AttnMeta, causal: bool, window: int | None) -> torch.Tensor:
@@ -40,18 +44,15 @@ def visible_mask(meta: AttnMeta, causal: bool, window: int | None) -> torch.Tens
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
                     scale: float, causal: bool = True, window: int | None = None) -> torch.Tensor:
     """q: [T, heads, d]; caches already hold this forward's K/V. Returns [T, heads, dv]."""
-    T, heads, _ = q.shape
-    q_pad = torch.cat([q, q.new_zeros(1, *q.shape[1:])])[meta.q_index]       # [bs, qm, H, d]
-    k = gather_keys(k_cache, meta)                                             # [bs, K, Hkv, d]
-    v = gather_keys(v_cache, meta)
-    group = heads // k.shape[2]
-    if group > 1:
-        k = k.repeat_interleave(group, dim=2)
-        v = v.repeat_interleave(group, dim=2)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q_pad.float(), k.float()) * scale
-    mask = visible_mask(meta, causal, window)[:, None]
-    scores = scores.masked_fill(~mask, float("-inf"))
-    out = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v.float()).to(q.dtype)
-    result = q.new_zeros(T + 1, heads, v.shape[-1])
-    result[meta.q_index.reshape(-1)] = out.reshape(-1, heads, v.shape[-1])
+    T, heads, d = q.shape
+    q_pad = torch.cat([q, q.new_zeros(1, heads, d)])[meta.q_index]             # [bs, qm, H, d]
+    k = gather_keys(k_cache, meta).to(q.dtype)                                  # [bs, K, Hkv, d]
+    v = gather_keys(v_cache, meta).to(q.dtype)
+    mask = meta.shared(("mask", causal, window), lambda: visible_mask(meta, causal, window))
+    out = F.scaled_dot_product_attention(q_pad.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=mask[:, None], scale=scale,
+                                         enable_gqa=k.shape[2] != heads)        # [bs, H, qm, dv]
+    out = out.transpose(1, 2).reshape(-1, heads, v.shape[-1])
+    result = q.new_empty(T + 1, heads, v.shape[-1])
+    result[meta.q_index.reshape(-1)] = out
     return result[:T]

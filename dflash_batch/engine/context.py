@@ -7,7 +7,9 @@ padding entries point at row T, a scratch row that attention writes and nobody r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -23,6 +25,13 @@ class AttnMeta:
     page_size: int
     max_kv: int                 # host-side upper bound of kv_lens: how many key positions to read
     logits_rows: torch.Tensor   # [R] int64: rows whose logits (and samples) the engine needs
+    derived: dict = field(default_factory=dict, repr=False)  # per-forward values layers share
+
+    def shared(self, key: Any, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """A value every layer of this forward needs (key slots, masks): computed once."""
+        if key not in self.derived:
+            self.derived[key] = make()
+        return self.derived[key]
 
     @property
     def num_rows(self) -> int:

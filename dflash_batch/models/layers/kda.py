@@ -102,9 +102,10 @@ def kda_chunked(
     Decays are taken pairwise as exp(G_t - G_j) <= 1 rather than factored into exp(G_t) / exp(G_j),
     which would overflow once a chunk's decay passes ~-88 in float32.
     """
-    q, k, v, g, beta = (_wide(x).transpose(-3, -2) for x in (q, k, v, g, beta[..., None]))  # [*B, H, T, .]
-    q = q * q.shape[-1] ** -0.5
+    q, k, v, g, beta = (_wide(x) for x in (q, k, v, g, beta[..., None]))
     S = _init_state(state, k, v)
+    q, k, v, g, beta = (x.transpose(-3, -2) for x in (q, k, v, g, beta))  # heads first: [*B, H, T, .]
+    q = q * q.shape[-1] ** -0.5
     out = []
     for s in range(0, q.shape[-2], chunk_size):
         c = slice(s, s + chunk_size)
@@ -112,10 +113,10 @@ def kda_chunked(
         G = g[..., c, :].cumsum(-2)
         n = G.shape[-2]
         causal = torch.ones(n, n, dtype=torch.bool, device=G.device).tril()
-        # decay[t, j, :] = exp(G_t - G_j) for j <= t; -inf before exp keeps j > t at 0 without overflow
+        # kd[t, j] = k_j * exp(G_t - G_j) for j <= t, else 0; -inf before exp avoids overflow at j > t
         decay = (G[..., :, None, :] - G[..., None, :, :]).masked_fill(~causal[:, :, None], float("-inf")).exp()
-        kk = torch.einsum("...tk,...jk,...tjk->...tj", kc, kc, decay)
-        qk = torch.einsum("...tk,...jk,...tjk->...tj", qc, kc, decay)
+        kd = decay * kc[..., None, :, :]  # [*B, H, t, j, K]
+        kk, qk = (kd @ torch.stack([kc, qc], dim=-1)).unbind(-1)  # <k_t, kd[t, j]>, <q_t, kd[t, j]>
         lhs = torch.eye(n, dtype=G.dtype, device=G.device) + (bc * kk).tril(-1)
         rhs = torch.cat([bc * vc, bc * (G.exp() * kc)], dim=-1)
         sol = torch.linalg.solve_triangular(lhs, rhs, upper=False, unitriangular=True)
