@@ -42,7 +42,7 @@ def main() -> None:
 def _run_shard(job: Job, shard: Shard, progress: bool) -> None:
     """Run one shard in this process (one tensor-parallel rank); rank 0 reports."""
     from dflash_batch import parallel
-    from dflash_batch.engine import build_engine
+    from dflash_batch.engine.build import build_engine
     from dflash_batch.runner import Preempted, run_job
 
     try:

@@ -133,10 +133,11 @@ class Engine:
             accepted = torch.zeros(bs, dtype=torch.int64)
         for seq, n, row in zip(seqs, accepted.tolist(), chosen.tolist()):
             before = len(seq.tokens)
-            kept = seq.append(seq.drafts[:n] + [row[n]])
-            if seq.spec is not None:
-                seq.spec.per_round.append(kept - 1)
+            seq.append(seq.drafts[:n] + [row[n]])
             seq.check_stop_strings(self.decode, before + 1)
+            if seq.spec is not None:
+                # Counted after a stop string's cut too: the round keeps only tokens up to it.
+                seq.spec.per_round.append(len(seq.tokens) - before - 1)
         self._draft([s for s in seqs if not s.finish_reason], block)
 
     def _draft(self, seqs: list[Sequence], block: int) -> None:

@@ -1,21 +1,26 @@
 """Load Hugging Face safetensors checkpoints into our models, one tensor-parallel slice per rank.
 
 Files are memory-mapped and each rank reads only its own slice of each tensor, so a rank never
-holds the full weights. Every mismatch between checkpoint and model is reported at once.
+holds the full weights. Quantized weights (MXFP4, block FP8; see quant.py) are dequantized to
+the parameter dtype as they are read. Every mismatch between checkpoint and model is found from
+the file headers alone and reported at once.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
 from dflash_batch import parallel
+from dflash_batch.models import quant
 from dflash_batch.models.registry import model_class
 
 
@@ -29,17 +34,82 @@ def load_config(path: str | Path) -> dict:
         raise ValueError(f"invalid JSON in {file}: {e}") from None
 
 
-def _checkpoint_files(path: Path) -> dict[str, Path]:
-    """Checkpoint tensor name -> the .safetensors file holding it."""
+# safetensors header dtype codes; an unknown code is kept as its string, which no check accepts.
+_DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
+           "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
+           "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """A checkpoint tensor as its file header describes it: enough to check it unread."""
+
+    file: Path
+    dtype: torch.dtype | str
+    shape: list[int]
+
+
+def _read_header(file: Path) -> tuple[dict[str, _Stored], list[str]]:
+    """The tensors a .safetensors file lists, and report lines for those it is too short to hold."""
+    with open(file, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        try:
+            header = json.loads(f.read(size))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{file} has no valid safetensors header: {e}") from None
+    data_bytes = file.stat().st_size - 8 - size
+    tensors, truncated = {}, []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        tensors[name] = _Stored(file, _DTYPES.get(entry["dtype"], entry["dtype"]), entry["shape"])
+        end = entry["data_offsets"][1]
+        if end > data_bytes:
+            truncated.append(f"truncated: {name} in {file.name} (ends at data byte {end}, file holds {data_bytes})")
+    return tensors, truncated
+
+
+def _checkpoint_tensors(path: Path) -> tuple[dict[str, _Stored], list[str]]:
+    """Every checkpoint tensor by name, read from file headers, and report lines for truncated ones."""
     index = path / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: path / file for name, file in weight_map.items()}
-    single = path / "model.safetensors"
-    if single.exists():
-        with safe_open(single, "pt") as f:
-            return {name: single for name in f.keys()}
-    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+        weight_map = {name: path / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+    elif (path / "model.safetensors").exists():
+        weight_map = None
+    else:
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+    tensors, truncated = {}, []
+    for file in sorted(set(weight_map.values())) if weight_map else [path / "model.safetensors"]:
+        listed, short = _read_header(file)
+        # The index decides which file holds a tensor, should two files list it.
+        tensors |= {n: t for n, t in listed.items() if weight_map is None or weight_map.get(n) == file}
+        truncated += short
+    return tensors, truncated
+
+
+@dataclass(frozen=True)
+class _Plain:
+    """A weight stored as itself; `quant.QuantizedWeight` is the other kind of source."""
+
+    name: str
+
+    @property
+    def names(self) -> tuple[str]:
+        return (self.name,)
+
+    def problems(self, tensors: dict[str, _Stored], shape: list[int]) -> list[str]:
+        stored = tensors[self.name].shape
+        return [] if stored == shape else [f"shape mismatch: {self.name}: checkpoint {stored} vs model {shape}"]
+
+    def load(self, read: Callable[[str], Any], index: tuple[slice, ...], dtype: torch.dtype) -> torch.Tensor:
+        return read(self.name)[index].to(dtype)
+
+
+def _sources(tensors: dict[str, _Stored]) -> list[tuple[str, _Plain | quant.QuantizedWeight]]:
+    """(weight name, how it is stored) for every weight in the checkpoint."""
+    quantized = quant.find_quantized(tensors)
+    paired = {n for q in quantized.values() for n in q.names}
+    return [(n, _Plain(n)) for n in tensors if n not in paired] + list(quantized.items())
 
 
 def _rank_slice(shape: list[int], shard_dim: int | None) -> tuple[slice, ...]:
@@ -50,49 +120,55 @@ def _rank_slice(shape: list[int], shard_dim: int | None) -> tuple[slice, ...]:
     return tuple(index)
 
 
+def _full_shape(param: nn.Parameter) -> list[int]:
+    shape = list(param.shape)
+    if getattr(param, "shard_dim", None) is not None:
+        shape[param.shard_dim] *= parallel.world_size()
+    return shape
+
+
 def load_weights(model: nn.Module, path: str | Path) -> None:
     path = Path(path)
     rename = getattr(model, "checkpoint_name", lambda name: name)
     params = dict(model.named_parameters())
-    files = _checkpoint_files(path)
+    tensors, problems = _checkpoint_tensors(path)
 
-    # Plan: which checkpoint tensor fills which parameter; collect every problem before reading data.
-    plan: dict[Path, list[tuple[str, nn.Parameter, int | None]]] = {}
-    unexpected, mismatched, filled = [], [], set()
-    for ckpt_name, file in files.items():
-        name = rename(ckpt_name)
+    # Plan: which source fills which parameter; collect every problem before reading data.
+    # Sources report their own problems as "kind: detail" lines naming checkpoint tensors.
+    plan: list[tuple[_Plain | quant.QuantizedWeight, nn.Parameter]] = []
+    unexpected, filled = [], set()
+    for weight, source in _sources(tensors):
+        name = rename(weight)
         if name is None:
             continue
         if name not in params or name in filled:
-            unexpected.append(ckpt_name)
+            unexpected += [n for n in source.names if n in tensors]
             continue
         filled.add(name)
-        plan.setdefault(file, []).append((ckpt_name, params[name], getattr(params[name], "shard_dim", None)))
+        plan.append((source, params[name]))
+        problems += source.problems(tensors, _full_shape(params[name]))
     missing = sorted(set(params) - filled)
 
-    for file, entries in plan.items():
-        with safe_open(file, "pt") as f:
-            for ckpt_name, param, shard_dim in entries:
-                shape = f.get_slice(ckpt_name).get_shape()
-                expected = list(param.shape)
-                if shard_dim is not None:
-                    expected[shard_dim] *= parallel.world_size()
-                if shape != expected:
-                    mismatched.append(f"{ckpt_name}: checkpoint {shape} vs model {expected}")
-
-    if missing or unexpected or mismatched:
+    if missing or unexpected or problems:
         lines = [f"checkpoint {path} does not match {type(model).__name__}:"]
         lines += [f"  missing: {n}" for n in missing]
         lines += [f"  unexpected: {n}" for n in sorted(unexpected)]
-        lines += [f"  shape mismatch: {m}" for m in sorted(mismatched)]
+        lines += [f"  {p}" for p in sorted(problems)]
         raise ValueError("\n".join(lines))
 
-    for file, entries in plan.items():
-        with safe_open(file, "pt") as f:
-            for ckpt_name, param, shard_dim in entries:
-                tensor_slice = f.get_slice(ckpt_name)
-                part = tensor_slice[_rank_slice(tensor_slice.get_shape(), shard_dim)]
-                param.data.copy_(part.to(param.dtype))
+    with ExitStack() as stack:
+        opened = {}
+
+        def read(name: str) -> Any:
+            file = tensors[name].file
+            if file not in opened:
+                opened[file] = stack.enter_context(safe_open(file, "pt"))
+            return opened[file].get_slice(name)
+
+        # File by file, so each file's pages are read together; a pair may span two files.
+        for source, param in sorted(plan, key=lambda entry: tensors[entry[0].names[0]].file):
+            index = _rank_slice(_full_shape(param), getattr(param, "shard_dim", None))
+            param.data.copy_(source.load(read, index, param.dtype))
 
 
 @contextmanager
@@ -107,6 +183,7 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> nn.Module:
     config = load_config(path)
+    quant.check_config(config)
     # Build parameters directly in their final dtype and device, so a large model never exists
     # as a full fp32 copy. No blanket .to(dtype) afterwards: it would also round float32
     # buffers such as RoPE's inv_freq down to bf16.
