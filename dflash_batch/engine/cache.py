@@ -44,7 +44,8 @@ class SeqRows:
 
 
 def build_meta(rows: list[SeqRows], page_size: int, logits_rows: list[int] | None = None,
-               device: torch.device | str = "cpu") -> AttnMeta:
+               device: torch.device | str = "cpu", state_ids: list[int] | None = None,
+               stage: bool = False) -> AttnMeta:
     """The AttnMeta of a forward whose rows are `rows`, packed in order."""
     q_max = max(r.count for r in rows)
     max_pages = max(len(r.pages) for r in rows)
@@ -67,4 +68,5 @@ def build_meta(rows: list[SeqRows], page_size: int, logits_rows: list[int] | Non
     return AttnMeta(positions=t(positions), slots=t(slots), q_index=t(q_index), q_positions=t(q_pos),
                     kv_lens=t(kv_lens), block_tables=t(tables), page_size=page_size,
                     max_kv=max(kv_lens),
-                    logits_rows=t(list(range(total)) if logits_rows is None else logits_rows))
+                    logits_rows=t(list(range(total)) if logits_rows is None else logits_rows),
+                    state_ids=None if state_ids is None else t(state_ids), stage=stage)

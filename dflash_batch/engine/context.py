@@ -25,6 +25,8 @@ class AttnMeta:
     page_size: int
     max_kv: int                 # host-side upper bound of kv_lens: how many key positions to read
     logits_rows: torch.Tensor   # [R] int64: rows whose logits (and samples) the engine needs
+    state_ids: torch.Tensor | None = None  # [bs] recurrent-state slot of each sequence
+    stage: bool = False         # verify: stage recurrent states per row instead of updating them
     derived: dict = field(default_factory=dict, repr=False)  # per-forward values layers share
 
     def shared(self, key: Any, make: Callable[[], torch.Tensor]) -> torch.Tensor:

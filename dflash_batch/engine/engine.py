@@ -36,6 +36,8 @@ class Engine:
                  device: torch.device | str = "cpu"):
         self.target, self.drafter = target, drafter
         self.vocab_size: int = target.vocab_size
+        # Hybrid targets (KDA) keep per-sequence recurrent state that verify stages and commit picks.
+        self.recurrent = hasattr(target, "allocate_state")
         self.decode = decode or (lambda ids: "")
         self.page_size, self.budget = page_size, max_num_batched_tokens
         self.dtype, self.device = dtype, device
@@ -48,6 +50,9 @@ class Engine:
         for model in (self.target, self.drafter if block > 1 else None):
             if model is not None:
                 model.allocate_cache(pool.num_pages * self.page_size, self.dtype, self.device)
+        if self.recurrent:
+            self.target.allocate_state(bucket.max_num_seqs, block, self.device)
+        free_states = list(range(bucket.max_num_seqs))
         pending = iter(requests)
         prefilling: list[Sequence] = []
         running: list[Sequence] = []
@@ -60,7 +65,7 @@ class Engine:
                         exhausted = True
                         break
                     capacity = len(req.prompt_ids) + req.params.max_new_tokens + block
-                    prefilling.append(Sequence(req, pool.allocate(capacity), block))
+                    prefilling.append(Sequence(req, pool.allocate(capacity), block, free_states.pop()))
                 if prefilling:
                     done = self._prefill_step(prefilling, block)
                     prefilling = [s for s in prefilling if s not in done]
@@ -72,6 +77,7 @@ class Engine:
                 for seq in [s for s in running if s.finish_reason]:
                     running.remove(seq)
                     pool.release(seq.pages)
+                    free_states.append(seq.state_slot)
                     yield seq.completion(self.decode)
 
     # -- steps ---------------------------------------------------------------------------------
@@ -99,7 +105,7 @@ class Engine:
             if seq.prefilled == len(seq.prompt):
                 last_rows.append(row - 1)
                 finishing.append(seq)
-        meta = build_meta(rows, self.page_size, last_rows, self.device)
+        meta = build_meta(rows, self.page_size, last_rows, self.device, [s.state_slot for s in chunked])
         logits, taps = self.target(self._ids(ids), meta)
         if block > 1:
             self.drafter.write_context(taps, meta)
@@ -118,7 +124,7 @@ class Engine:
         bs = len(seqs)
         rows = [SeqRows(s.pages, s.position, block, s.position + block) for s in seqs]
         ids = [t for s in seqs for t in [s.tokens[-1], *s.drafts]]
-        meta = build_meta(rows, self.page_size, None, self.device)
+        meta = build_meta(rows, self.page_size, None, self.device, [s.state_slot for s in seqs], stage=True)
         logits, taps = self.target(self._ids(ids), meta)
         chosen = self._choose(logits, seqs, block).view(bs, block)
         if block > 1:

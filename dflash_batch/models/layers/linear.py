@@ -13,8 +13,10 @@ from torch import nn
 from dflash_batch import parallel
 
 
-def _param(shape: tuple[int, ...], shard_dim: int | None) -> nn.Parameter:
-    p = nn.Parameter(torch.empty(shape), requires_grad=False)
+def new_param(shape: tuple[int, ...], shard_dim: int | None, dtype: torch.dtype | None = None) -> nn.Parameter:
+    """A frozen parameter cut along shard_dim across ranks (None: replicated). dtype: for tensors
+    that stay float32 whatever the model dtype (recurrent-state gates, router biases)."""
+    p = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
     p.shard_dim = shard_dim
     return p
 
@@ -30,8 +32,8 @@ def per_rank(n: int, what: str) -> int:
 class ReplicatedLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
-        self.weight = _param((out_features, in_features), None)
-        self.bias = _param((out_features,), None) if bias else None
+        self.weight = new_param((out_features, in_features), None)
+        self.bias = new_param((out_features,), None) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -43,8 +45,8 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         local = per_rank(out_features, "out_features")
-        self.weight = _param((local, in_features), 0)
-        self.bias = _param((local,), 0) if bias else None
+        self.weight = new_param((local, in_features), 0)
+        self.bias = new_param((local,), 0) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -56,8 +58,8 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, reduce: bool = True):
         super().__init__()
         local = per_rank(in_features, "in_features")
-        self.weight = _param((out_features, local), 1)
-        self.bias = _param((out_features,), None) if bias else None
+        self.weight = new_param((out_features, local), 1)
+        self.bias = new_param((out_features,), None) if bias else None
         self.reduce = reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -75,7 +77,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.local_vocab = per_rank(vocab_size, "vocab_size")
         self.start = parallel.rank() * self.local_vocab
-        self.weight = _param((self.local_vocab, dim), 0)
+        self.weight = new_param((self.local_vocab, dim), 0)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if parallel.world_size() == 1:
@@ -92,7 +94,7 @@ class ParallelLMHead(nn.Module):
 
     def __init__(self, dim: int, vocab_size: int):
         super().__init__()
-        self.weight = _param((per_rank(vocab_size, "vocab_size"), dim), 0)
+        self.weight = new_param((per_rank(vocab_size, "vocab_size"), dim), 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return parallel.all_gather_last(F.linear(x, self.weight))
