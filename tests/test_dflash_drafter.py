@@ -197,8 +197,8 @@ def test_config_rules():
     assert DFlash2Drafter(config).target_layer_ids == reference_layer_ids(6, 3)
     for target_layers, draft_layers in [(36, 5), (93, 5), (61, 6), (28, 1), (40, 2)]:
         assert build_target_layer_ids(target_layers, draft_layers) == reference_layer_ids(target_layers, draft_layers)
-    with pytest.raises(NotImplementedError, match="mla"):
-        DFlash2Drafter({**config, "dflash_config": {**config["dflash_config"], "attention_mode": "mla"}})
+    with pytest.raises(ValueError, match="attention_mode 'mqa'"):
+        DFlash2Drafter({**config, "dflash_config": {**config["dflash_config"], "attention_mode": "mqa"}})
     config["dflash_config"].pop("mask_token_id")
     with pytest.raises(ValueError, match="mask_token_id"):
         DFlash2Drafter(config)

@@ -1,4 +1,4 @@
-"""DFlash v1 and DFlash2 block drafters, GQA attention (Qwen3-style layers).
+"""DFlash v1 and DFlash2 block drafters: Qwen3-style GQA layers, or DeepSeek-style MLA ones.
 
 The target's tapped hidden states never run through the drafter's layers: `write_context` turns
 them into extra K/V rows ("context") in every layer's cache, at the tokens' true positions. A
@@ -6,7 +6,8 @@ draft is then one forward over a block per sequence, [anchor, mask x (B-1)], whi
 context and to the whole block, and one greedy proposal from the block's last B-1 rows.
 
 DFlash2 adds a grouped dynamic convolution around each sub-layer and a candidate selector that
-re-ranks the head's top-k per position with a low-rank predecessor/successor bigram term.
+re-ranks the head's top-k per position with a low-rank predecessor/successor bigram term, and
+`attention_mode: "mla"` (the Kimi-K3 drafter): MLA attention over a per-slot latent cache.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from torch import nn
 
 from dflash_batch.backends.torch_attention import paged_attention, write_cache
 from dflash_batch.engine.context import AttnMeta
-from dflash_batch.models.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from dflash_batch.models.layers.linear import ColumnParallelLinear, per_rank, ReplicatedLinear, RowParallelLinear
 from dflash_batch.models.layers.norm import RMSNorm
-from dflash_batch.models.layers.rope import apply_rope, rope_from_config
+from dflash_batch.models.layers.rope import apply_rope, apply_rope_interleaved, rope_from_config, yarn_softmax_mscale
 from dflash_batch.models.qwen3 import Qwen3MLP
 
 
@@ -44,12 +45,24 @@ def _replicated(*shape: int) -> nn.Parameter:
     return p
 
 
+def block_mask(config: dict, layer_idx: int) -> tuple[int | None, bool]:
+    """(sliding window or None, causal) of a draft layer's attention."""
+    layer_types = config.get("layer_types") or ["full_attention"] * config["num_hidden_layers"]
+    sliding = layer_types[layer_idx] == "sliding_attention"
+    # TokenSpeed: the block is non-causal in every layer unless the config says otherwise.
+    # (The z-lab reference instead makes sliding layers causal when `is_causal` is unset.)
+    return (config.get("sliding_window") if sliding else None), bool(config.get("is_causal") or False)
+
+
 class DFlashAttention(nn.Module):
+    """Qwen3-style GQA: per-head q/k RMSNorm, rotate-half RoPE, K and V caches."""
+
     def __init__(self, config: dict, layer_idx: int):
         super().__init__()
         hidden = config["hidden_size"]
         heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
         self.head_dim = config.get("head_dim") or hidden // heads
+        self.rope_dim = self.head_dim
         bias = bool(config.get("attention_bias", False))
         self.q_proj = ColumnParallelLinear(hidden, heads * self.head_dim, bias)
         self.k_proj = ColumnParallelLinear(hidden, kv_heads * self.head_dim, bias)
@@ -60,15 +73,15 @@ class DFlashAttention(nn.Module):
         self.num_heads = self.q_proj.weight.shape[0] // self.head_dim
         self.num_kv_heads = self.k_proj.weight.shape[0] // self.head_dim
         self.scale = self.head_dim ** -0.5
-        layer_types = config.get("layer_types") or ["full_attention"] * config["num_hidden_layers"]
-        sliding = layer_types[layer_idx] == "sliding_attention"
-        self.window: int | None = config.get("sliding_window") if sliding else None
-        # TokenSpeed: the block is non-causal in every layer unless the config says otherwise.
-        # (The z-lab reference instead makes sliding layers causal when `is_causal` is unset.)
-        self.causal = bool(config.get("is_causal") or False)
-        # Runtime state, not checkpoint: plain attributes filled by allocate_cache().
+        self.window, self.causal = block_mask(config, layer_idx)
+        # Runtime state, not checkpoint: plain attributes filled by allocate().
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+
+    def allocate(self, num_slots: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        shape = (num_slots, self.num_kv_heads, self.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
 
     def write_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor) -> None:
         """Context rows and block rows get their K/V the same way: k_norm, then RoPE at their position."""
@@ -83,6 +96,60 @@ class DFlashAttention(nn.Module):
         q = apply_rope(self.q_norm(self.q_proj(x).view(T, self.num_heads, self.head_dim)), cos, sin)
         o = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, self.causal, self.window)
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
+
+
+class DFlashMLAAttention(nn.Module):
+    """DeepSeek-V3-style MLA with interleaved RoPE on a dr-wide slice and no output gate,
+    attended in the absorbed form.
+
+    The cache holds one latent row per slot, [kv_a_layernorm(c_kv) | rope(k_pe)] (kl + dr wide),
+    shared by all heads and so replicated on every TP rank. Rather than expanding it to per-head
+    K/V, each head's query is mapped into the latent space (q_nope @ w_kc) and the attention
+    output back out of it (o_lat @ w_vc^T), with w_kc, w_vc the K and V rows of kv_b_proj.
+    """
+
+    def __init__(self, config: dict, layer_idx: int):
+        super().__init__()
+        hidden, eps, heads = config["hidden_size"], config["rms_norm_eps"], config["num_attention_heads"]
+        if config.get("q_lora_rank") is None:
+            raise NotImplementedError("MLA drafters without q_lora_rank (a plain q_proj) are not supported")
+        q_lora, self.kl = config["q_lora_rank"], config["kv_lora_rank"]
+        self.dn, self.dr, self.dv = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
+        self.rope_dim = self.dr
+        self.num_heads = per_rank(heads, "num_attention_heads")
+        self.q_a_proj = ReplicatedLinear(hidden, q_lora)
+        self.q_a_layernorm = RMSNorm(q_lora, eps)
+        self.q_b_proj = ColumnParallelLinear(q_lora, heads * (self.dn + self.dr))
+        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, self.kl + self.dr)
+        self.kv_a_layernorm = RMSNorm(self.kl, eps)
+        self.kv_b_proj = ColumnParallelLinear(self.kl, heads * (self.dn + self.dv))
+        self.o_proj = RowParallelLinear(heads * self.dv, hidden)
+        self.scale = (self.dn + self.dr) ** -0.5 * yarn_softmax_mscale(config) ** 2
+        self.window, self.causal = block_mask(config, layer_idx)
+        self.cache: torch.Tensor | None = None  # [slots, 1, kl + dr], filled by allocate()
+
+    def allocate(self, num_slots: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.cache = torch.zeros(num_slots, 1, self.kl + self.dr, dtype=dtype, device=device)
+
+    def write_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor) -> None:
+        """Context rows and block rows get their latent row the same way."""
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kl, self.dr], dim=-1)
+        k_pe = apply_rope_interleaved(k_pe[:, None], cos, sin)
+        write_cache(self.cache, slots, torch.cat([self.kv_a_layernorm(c)[:, None], k_pe], dim=-1))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+        T = x.shape[0]
+        self.write_kv(x, cos, sin, meta.slots)
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(T, self.num_heads, self.dn + self.dr)
+        q_nope, q_pe = q.split([self.dn, self.dr], dim=-1)
+        # kv_b_proj holds, per head, dn rows that expand the latent to K_nope and dv rows to V.
+        w_kc, w_vc = self.kv_b_proj.weight.view(self.num_heads, self.dn + self.dv, self.kl).split([self.dn, self.dv], 1)
+        q_lat = torch.einsum("thd,hdk->thk", q_nope, w_kc)
+        # One "kv head" for all query heads: keys are whole latent rows, values their c part.
+        o_lat = paged_attention(torch.cat([q_lat, apply_rope_interleaved(q_pe, cos, sin)], dim=-1), self.cache,
+                                self.cache[..., :self.kl], meta, self.scale, self.causal, self.window)
+        o = torch.einsum("thk,hvk->thv", o_lat, w_vc)
+        return self.o_proj(o.reshape(T, self.num_heads * self.dv))
 
 
 def grouped_block_conv(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -124,10 +191,10 @@ class GroupedDynamicConv(nn.Module):
 
 
 class DFlashDecoderLayer(nn.Module):
-    def __init__(self, config: dict, layer_idx: int, conv: tuple[int, int] | None):
+    def __init__(self, config: dict, layer_idx: int, attention: type[nn.Module], conv: tuple[int, int] | None):
         super().__init__()
         hidden, eps = config["hidden_size"], config["rms_norm_eps"]
-        self.self_attn = DFlashAttention(config, layer_idx)
+        self.self_attn = attention(config, layer_idx)
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
@@ -161,9 +228,8 @@ class DFlashDrafter(nn.Module):
     def __init__(self, config: dict):
         super().__init__()
         mode = draft_value(config, "attention_mode", "gqa")
-        if mode == "mla":
-            raise NotImplementedError("DFlash drafters with attention_mode='mla' are not supported yet")
-        if mode != "gqa":
+        attention = {"gqa": DFlashAttention, "mla": DFlashMLAAttention}.get(mode)
+        if attention is None:
             raise ValueError(f"unknown dflash attention_mode {mode!r}")
         if config.get("hidden_act", "silu") != "silu":
             raise NotImplementedError(f"hidden_act={config['hidden_act']!r} is not supported")
@@ -187,9 +253,9 @@ class DFlashDrafter(nn.Module):
         self.fc = ReplicatedLinear(len(self.target_layer_ids) * hidden, hidden)
         self.hidden_norm = RMSNorm(hidden, eps)
         self.layers = nn.ModuleList(
-            DFlashDecoderLayer(config, i, conv) for i in range(config["num_hidden_layers"]))
+            DFlashDecoderLayer(config, i, attention, conv) for i in range(config["num_hidden_layers"]))
         self.norm = RMSNorm(hidden, eps)
-        self.rotary_emb = rope_from_config(config, self.layers[0].self_attn.head_dim)
+        self.rotary_emb = rope_from_config(config, self.layers[0].self_attn.rope_dim)
         # The target's embedding and head, held in a tuple so nn.Module does not register them:
         # they are not the drafter's parameters and the loader must not expect them.
         self._target_io: tuple[nn.Module, nn.Module] | None = None
@@ -206,14 +272,13 @@ class DFlashDrafter(nn.Module):
 
     def allocate_cache(self, num_slots: int, dtype: torch.dtype, device: torch.device | str) -> None:
         for layer in self.layers:
-            attn = layer.self_attn
-            shape = (num_slots, attn.num_kv_heads, attn.head_dim)
-            attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-            attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+            layer.self_attn.allocate(num_slots, dtype, device)
 
     @torch.inference_mode()
     def write_context(self, taps: torch.Tensor, meta: AttnMeta) -> None:
-        """taps [T, n_taps*hidden] of rows the target ran -> context K/V at meta.slots in every layer."""
+        """taps [T, n_taps*hidden] of rows the target ran -> context K/V (or MLA latent rows) at
+        meta.slots in every layer. The context skips the layers' input_layernorm: hidden_norm
+        has normed it already."""
         ctx = self.hidden_norm(self.fc(taps))
         cos, sin = self.rotary_emb(meta.positions)
         for layer in self.layers:
