@@ -120,13 +120,15 @@ def run(job_file: str, shard_text: str | None, output_dir: str | None, no_progre
 
 @main.command()
 @click.argument("job_file", type=click.Path(dir_okay=False))
-def validate(job_file: str) -> None:
+@click.option("--no-inputs", is_flag=True, help="Check the job file only, not its input files.")
+def validate(job_file: str, no_inputs: bool) -> None:
     """Check JOB_FILE and its inputs without running anything."""
     from dflash_batch.io.inputs import check_inputs
 
     try:
         job = load_job(job_file)
-        check_inputs(job.input)
+        if not no_inputs:
+            check_inputs(job.input)
     except JobError as e:
         _fail(e)
     click.echo(f"{job_file}: ok")

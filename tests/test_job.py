@@ -125,3 +125,12 @@ def test_validate_command(tmp_path):
     assert bad.returncode == 2 and "sampling.top_k" in bad.stderr
     missing = subprocess.run([*cli, str(tmp_path / "nofile.yaml")], capture_output=True, text=True)
     assert missing.returncode == 2 and "prompts.jsonl" in missing.stderr and "does not exist" in missing.stderr
+
+
+def test_production_job_files_validate():
+    for name in ("kimi-k3-dflash2.yaml", "kimi-k3-dflash2-128k.yaml"):
+        out = subprocess.run([sys.executable, "-m", "dflash_batch.cli", "validate", "--no-inputs",
+                              str(SCHEMA_DIR.parent / "jobs" / name)], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+    job = load_job(SCHEMA_DIR.parent / "jobs" / "kimi-k3-dflash2-128k.yaml")
+    assert job.model.tensor_parallel_size == 8 and job.resolved_buckets()[-1].max_tokens == 131072

@@ -1,0 +1,45 @@
+"""The engine under tensor parallelism: the work each rank does, importable by spawned processes.
+
+Kept free of transformers and dflash imports so the processes torch.multiprocessing spawns
+start fast; the parent makes the checkpoints.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dflash_batch.engine.engine import Engine
+from dflash_batch.engine.request import Request, SamplingParams
+from dflash_batch.models.loader import load_model
+from dflash_batch.plan.buckets import Bucket
+
+
+def generate(target_dir: str, drafter_dir: str, prompts: list[list[int]], sampling: dict) -> list[dict]:
+    """Speculative decoding of every prompt (seed 1000 + index): tokens and accepted drafts per round."""
+    target, drafter = load_model(target_dir), load_model(drafter_dir)
+    drafter.bind_target(target.embed_tokens, target.lm_head)
+    target.set_taps(drafter.target_layer_ids)
+    reqs = [Request((str(i), 0), p, SamplingParams(seed=1000 + i, **sampling)) for i, p in enumerate(prompts)]
+    bucket = Bucket(0, "0-1024", 1024, 16, True, None)
+    done = {c.key: c for c in Engine(target, drafter).generate(reqs, bucket)}
+    return [dict(tokens=done[r.key].token_ids, per_round=done[r.key].spec.per_round) for r in reqs]
+
+
+def run(rank: int, world_size: int, port: int, target_dir: str, drafter_dir: str,
+        prompts: list[list[int]], runs: dict[str, dict], out_dir: str) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)  # two ranks share a small CPU
+    # Ranks that diverge (different rounds, different shapes) fail their next collective; the
+    # timeout turns a rank left waiting into an error instead of a hung test.
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+    try:
+        results = {name: generate(target_dir, drafter_dir, prompts, s) for name, s in runs.items()}
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,202 @@
+"""The engine's output law and its invariances.
+
+Sampled tokens follow the target's own filtered distribution (speculative or not); outputs do not
+depend on the batch size, on chunked prefill or, at temperature 0, on the drafter; stop strings
+cut the output where they complete.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from scipy.stats import chisquare
+
+from dflash_batch.engine.engine import Engine
+from dflash_batch.engine.request import Request, SamplingParams
+from dflash_batch.engine.sampling import filtered_probs
+from tests.engine_util import VOCAB, bucket, load_pair, make_drafter, make_target, random_prompts, run
+from tests.tiny_models import load_hf_model
+
+TOP_K, TOP_P = 5, 0.9
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("models")
+    make_drafter(d / "v1", 1, block_size=8)
+    make_drafter(d / "v2", 2, block_size=8)
+    # The default peaked head makes the target near-deterministic at temperature 1 (p ~ 0.9 on
+    # one token); a third of it leaves four tokens with real mass after top-k/top-p.
+    soft = make_target(d / "soft", seed=0)
+    weights = load_file(soft / "model.safetensors")
+    weights["lm_head.weight"] *= 0.3
+    save_file(weights, soft / "model.safetensors", metadata={"format": "pt"})
+    return dict(target=make_target(d / "target"), soft=soft, v1=d / "v1", v2=d / "v2")
+
+
+# -- filtering -------------------------------------------------------------------------------------
+def filtered_by_definition(logits: list[float], temperature: float, top_k: int, top_p: float) -> list[float]:
+    """Softmax at temperature; keep the top_k most likely; of those, keep the shortest prefix in
+    descending order whose mass before each kept token is < top_p; renormalise."""
+    m = max(logits)
+    p = [math.exp((x - m) / temperature) for x in logits]
+    order = sorted(range(len(p)), key=lambda i: -p[i])
+    kept = order[:top_k] if top_k > 0 else order
+    total = sum(p[i] for i in kept)
+    out, before = [0.0] * len(p), 0.0
+    for i in kept:
+        if before >= top_p:
+            break
+        out[i] = p[i] / total
+        before += out[i]
+    s = sum(out)
+    return [x / s for x in out]
+
+
+def test_filtered_probs_matches_definition():
+    gen = torch.Generator().manual_seed(0)
+    cases = [(t, k, p) for t in (0.5, 1.0, 2.0) for k in (-1, 1, 3, 8, 20) for p in (1.0, 0.9, 0.5, 0.05)]
+    logits = 2 * torch.randn(len(cases), 12, generator=gen)
+    temperature, top_k, top_p = (torch.tensor(c) for c in zip(*cases))
+    got = filtered_probs(logits, temperature.float(), top_k, top_p.float())
+    for row, (t, k, p) in enumerate(cases):
+        want = filtered_by_definition(logits[row].tolist(), t, k, p)
+        torch.testing.assert_close(got[row], torch.tensor(want), msg=f"temperature {t} top_k {k} top_p {p}")
+
+
+# -- the output law --------------------------------------------------------------------------------
+PROMPT = [1, 4, 2, 6]
+NEW = 3
+SAMPLES = 20_000
+
+
+def exact_joint(target_dir) -> torch.Tensor:
+    """[V, V, V]: p(t1, t2, t3 | PROMPT) of the filtered target, from the transformers model: one
+    batch holds every continuation PROMPT + (t1, t2), whose last three rows give the factors."""
+    model = load_hf_model(target_dir)
+    pairs = torch.cartesian_prod(torch.arange(VOCAB), torch.arange(VOCAB))        # [V*V, 2]
+    ids = torch.cat([torch.tensor(PROMPT).expand(len(pairs), -1), pairs], dim=1)
+    with torch.no_grad():
+        logits = model(ids).logits[:, len(PROMPT) - 1:].double()                   # [V*V, 3, V]
+
+    def f(rows: torch.Tensor) -> torch.Tensor:
+        return torch.tensor([filtered_by_definition(r.tolist(), 1.0, TOP_K, TOP_P) for r in rows],
+                            dtype=torch.float64)
+
+    p1 = f(logits[:1, 0])[0]                                  # [V]
+    p2 = f(logits[::VOCAB, 1])                                # [t1, V]: rows with t2 == 0
+    p3 = f(logits[:, 2]).view(VOCAB, VOCAB, VOCAB)            # [t1, t2, V]
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def sample_tuples(engine: Engine, speculation: bool) -> tuple[Counter, list[int]]:
+    params = [SamplingParams(temperature=1.0, top_k=TOP_K, top_p=TOP_P, max_new_tokens=NEW, seed=s)
+              for s in range(SAMPLES)]
+    reqs = (Request((str(i), 0), PROMPT, p) for i, p in enumerate(params))
+    counts, per_round = Counter(), []
+    # Blocks of 4 cover every acceptance 3 new tokens allow, at half the verify rows of 8.
+    spec_bucket = bucket(block_size=4, max_num_seqs=256, max_tokens=16, speculation=speculation)
+    for c in engine.generate(reqs, spec_bucket):
+        counts[tuple(c.token_ids)] += 1
+        per_round += c.spec.per_round if c.spec else []
+    return counts, per_round
+
+
+@pytest.mark.parametrize("speculation", [True, False], ids=["spec", "target_only"])
+def test_sampled_tokens_follow_target_distribution(models, speculation):
+    joint = exact_joint(models["soft"]).flatten()
+    # The test means something only if the law is spread out: several likely outcomes per step.
+    assert (joint > 0.01).sum() >= 20, joint.sort(descending=True).values[:20]
+    engine = Engine(*load_pair(models["soft"], models["v2"]))
+    counts, per_round = sample_tuples(engine, speculation)
+    if speculation:
+        # Drafts accepted: the accept rule (not only the bonus token) shaped the sample.
+        assert sum(per_round) > SAMPLES // 20, Counter(per_round)
+
+    observed = torch.zeros(VOCAB ** 3, dtype=torch.float64)
+    for (a, b, c), n in counts.items():
+        observed[(a * VOCAB + b) * VOCAB + c] = n
+    impossible = observed[joint == 0].sum()
+    assert impossible == 0, f"{int(impossible)} samples that top-k/top-p exclude"
+    expected = joint * SAMPLES
+    big, rare = expected >= 5, (expected > 0) & (expected < 5)
+    obs, exp = observed[big], expected[big]
+    if rare.any():  # pool the cells too rare for the chi-square approximation into one
+        obs = torch.cat([obs, observed[rare].sum()[None]])
+        exp = torch.cat([exp, expected[rare].sum()[None]])
+    result = chisquare(obs.numpy(), exp.numpy() * SAMPLES / exp.sum().item())
+    assert result.pvalue > 0.01, (result, int(big.sum()))
+
+
+# -- invariances -----------------------------------------------------------------------------------
+MIXED = [1, 200, 3, 17, 64, 2, 150, 9, 33, 120, 5, 80]
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=1.0, top_p=0.95)],
+                         ids=["greedy", "sampled"])
+def test_outputs_do_not_depend_on_max_num_seqs(models, sampling):
+    engine = Engine(*load_pair(models["soft"], models["v2"]))
+    prompts = random_prompts(MIXED, seed=1)
+    alone = run(engine, prompts, bucket(max_num_seqs=1), max_new_tokens=24, **sampling)
+    batched = run(engine, prompts, bucket(max_num_seqs=16), max_new_tokens=24, **sampling)
+    assert [c.token_ids for c in batched] == [c.token_ids for c in alone]
+    assert any(n for c in batched for n in c.spec.per_round), "no draft accepted"
+
+
+@pytest.mark.parametrize("batch", [1, 5, 16])
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_speculative_greedy_equals_target_greedy(models, version, batch):
+    engine = Engine(*load_pair(models["target"], models[version]))
+    lengths = [1, 300, 7, 64, 2, 150, 33, 9, 120, 17, 250, 4, 80, 3, 45, 200][:batch]
+    prompts = random_prompts(lengths, seed=batch)
+    spec = run(engine, prompts, bucket(), max_new_tokens=32)
+    plain = run(engine, prompts, bucket(speculation=False), max_new_tokens=32)
+    assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
+    assert all(c.spec is None for c in plain)
+    assert any(n for c in spec for n in c.spec.per_round), "no draft accepted"
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=1.0, top_p=0.95)],
+                         ids=["greedy", "sampled"])
+def test_chunked_prefill_matches_one_shot(models, sampling):
+    target, drafter = load_pair(models["soft"], models["v2"])
+    # Chunks of 7 split prompts mid-page and mid-prompt, and several prompts share one chunk.
+    prompts = random_prompts([300, 1, 6, 7, 8, 50, 3], seed=2)
+    one_shot = run(Engine(target, drafter), prompts, bucket(), max_new_tokens=16, **sampling)
+    chunked = run(Engine(target, drafter, max_num_batched_tokens=7), prompts, bucket(),
+                  max_new_tokens=16, **sampling)
+    assert [c.token_ids for c in chunked] == [c.token_ids for c in one_shot]
+    assert [c.spec.per_round for c in chunked] == [c.spec.per_round for c in one_shot]
+
+
+# -- stop strings ----------------------------------------------------------------------------------
+def decode(ids: list[int]) -> str:
+    return "".join("abcdefgh"[i] for i in ids)
+
+
+def test_stop_string_cuts_where_it_completes(models):
+    engine = Engine(*load_pair(models["target"], models["v2"]), decode=decode)
+    prompt = random_prompts([40], seed=4)
+    free = run(engine, prompt, bucket(), max_new_tokens=40)[0]
+    # Round r emits per_round[r] + 1 tokens after the first (prefill) token; find a 2-character
+    # stop string that first completes strictly inside a multi-token round, so the cut falls
+    # between accepted drafts, not at a round boundary.
+    bounds, end = {1}, 1
+    for n in free.spec.per_round:
+        end += n + 1
+        bounds.add(end)
+    text = decode(free.token_ids)
+    k = next((k for k in range(3, len(text)) if k not in bounds and text.find(text[k - 2:k]) == k - 2), None)
+    assert k, f"no stop string completes inside a round of {free.spec.per_round}: try another prompt"
+    stop = text[k - 2:k]
+
+    got = run(engine, prompt, bucket(), max_new_tokens=40, stop=(stop, "zz"))[0]
+    assert got.token_ids == free.token_ids[:k]
+    assert got.text == text[:k - 2]
+    assert (got.finish_reason, got.stop_reason) == ("stop", stop)
+    # The last round counts only the tokens kept, as with stop tokens and max_new_tokens.
+    assert 1 + sum(n + 1 for n in got.spec.per_round) == len(got.token_ids), got.spec.per_round
