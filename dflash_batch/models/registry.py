@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dflash_batch.models.dflash import DFlash2Drafter, DFlashDrafter
+from dflash_batch.models.kimi_k3 import KimiK3ForConditionalGeneration
 from dflash_batch.models.qwen3 import Qwen3ForCausalLM
 
 ARCHITECTURES: dict[str, type] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "KimiK3ForConditionalGeneration": KimiK3ForConditionalGeneration,
     "DFlashDraftModel": DFlashDrafter,
     "DFlash2DraftModel": DFlash2Drafter,
 }

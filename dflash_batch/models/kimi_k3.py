@@ -1,0 +1,354 @@
+"""Kimi-K3 (text path) as a DFlash target: hybrid KDA + gated NoPE-MLA, block attention residuals,
+latent MoE with SiTU. Spec: shared/reference/kimi_k3_target.md.
+
+State a sequence keeps between forwards:
+- MLA layers: one latent row [RMSNorm(c_kv) | k_pe] per token in a paged cache (no RoPE anywhere);
+- KDA layers: a conv window (last kernel-1 raw q/k/v inputs) and a float32 delta-rule state, in a
+  pool indexed by the sequence's state slot. A prefill forward updates the pool in place; a verify
+  forward (meta.stage) leaves it alone and stages the state after every row, and `commit` copies
+  the one at the accepted length.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_batch import parallel
+from dflash_batch.backends.torch_attention import paged_attention, write_cache
+from dflash_batch.engine.context import AttnMeta
+from dflash_batch.models.layers.kda import kda_chunked, kda_gate, kda_recurrent, l2norm, short_conv
+from dflash_batch.models.layers.linear import (
+    ColumnParallelLinear, ParallelLMHead, ReplicatedLinear, RowParallelLinear, VocabParallelEmbedding,
+    new_param, per_rank,
+)
+from dflash_batch.models.layers.norm import RMSNorm, rms_norm
+
+LORA_NORM_EPS = 1e-6  # the official q_a/kv_a LoRA norms take RMSNorm's default, not rms_norm_eps
+
+
+def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
+    """SiTU: (beta*tanh(g/beta)*sigmoid(g)) * (linear_beta*tanh(u/linear_beta)), in float32."""
+    g, u = gate.float(), up.float()
+    return (beta * torch.tanh(g / beta) * torch.sigmoid(g) * linear_beta * torch.tanh(u / linear_beta)).to(gate.dtype)
+
+
+class SituMLP(nn.Module):
+    """gate/up column-parallel, down row-parallel (dense layer 0, shared experts, routed experts)."""
+
+    def __init__(self, config: dict, hidden: int, inter: int, reduce: bool = True):
+        super().__init__()
+        self.gate_proj = ColumnParallelLinear(hidden, inter)
+        self.up_proj = ColumnParallelLinear(hidden, inter)
+        self.down_proj = RowParallelLinear(inter, hidden, reduce=reduce)
+        self.beta = config.get("activation_situ_beta", 4.0)
+        self.linear_beta = config.get("activation_situ_linear_beta", 25.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(situ(self.gate_proj(x), self.up_proj(x), self.beta, self.linear_beta))
+
+
+class Expert(nn.Module):
+    """A routed expert in the latent width; its partial output is reduced once for all experts."""
+
+    def __init__(self, config: dict, latent: int, inter: int):
+        super().__init__()
+        self.w1 = ColumnParallelLinear(latent, inter)
+        self.w3 = ColumnParallelLinear(latent, inter)
+        self.w2 = RowParallelLinear(inter, latent, reduce=False)
+        self.beta = config.get("activation_situ_beta", 4.0)
+        self.linear_beta = config.get("activation_situ_linear_beta", 25.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(situ(self.w1(x), self.w3(x), self.beta, self.linear_beta))
+
+
+class Router(nn.Module):
+    def __init__(self, hidden: int, experts: int):
+        super().__init__()
+        self.weight = new_param((experts, hidden), None)
+        self.e_score_correction_bias = new_param((experts,), None, torch.float32)
+
+
+class LatentMoE(nn.Module):
+    """Sigmoid router (bias for selection only), experts in a latent width, RMSNorm, up-projection,
+    plus full-width shared experts."""
+
+    def __init__(self, config: dict):
+        super().__init__()
+        hidden, latent = config["hidden_size"], config["routed_expert_hidden_size"]
+        self.top_k = config["num_experts_per_token"]
+        self.renormalize = config.get("moe_renormalize", True)
+        self.scaling = config.get("routed_scaling_factor", 1.0)
+        self.gate = Router(hidden, config["num_experts"])
+        self.routed_expert_down_proj = ReplicatedLinear(hidden, latent)
+        self.routed_expert_up_proj = ReplicatedLinear(latent, hidden)
+        self.routed_expert_norm = RMSNorm(latent, config["rms_norm_eps"])
+        self.experts = nn.ModuleList(Expert(config, latent, config["moe_intermediate_size"])
+                                     for _ in range(config["num_experts"]))
+        shared = config.get("num_shared_experts", 0) * config["moe_intermediate_size"]
+        self.shared_experts = SituMLP(config, hidden, shared) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = torch.sigmoid(F.linear(x.float(), self.gate.weight.float()))
+        ids = torch.topk(scores + self.gate.e_score_correction_bias.float(), self.top_k, dim=-1).indices
+        weights = scores.gather(-1, ids)
+        if self.renormalize and self.top_k > 1:  # the official gate leaves a single expert's weight as is
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        weights = (weights * self.scaling).to(x.dtype)
+        latent = self.routed_expert_down_proj(x)
+        routed = torch.zeros_like(latent)
+        for e in ids.unique().tolist():
+            rows, slot = (ids == e).nonzero(as_tuple=True)
+            routed.index_add_(0, rows, self.experts[e](latent[rows]) * weights[rows, slot, None])
+        # The norm must see the sum over every rank's expert shards.
+        out = self.routed_expert_up_proj(self.routed_expert_norm(parallel.all_reduce(routed)))
+        return out if self.shared_experts is None else out + self.shared_experts(x)
+
+
+def attn_res_mix(current: torch.Tensor, blocks: list[torch.Tensor], norm: RMSNorm,
+                 proj: ReplicatedLinear) -> torch.Tensor:
+    """Block attention residual: a per-token softmax mix over [block snapshots..., current]
+    (current last) with score <RMSNorm(v), norm.w * proj.w>, mixing the raw values, in float32."""
+    if not blocks:
+        return current
+    values = torch.stack([*blocks, current]).float()                          # [N, T, H]
+    w = norm.weight.float() * proj.weight.float()[0]
+    scores = (values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + norm.eps) * w).sum(-1)
+    return (scores.softmax(0)[..., None] * values).sum(0).to(current.dtype)
+
+
+class GatedMLA(nn.Module):
+    """NoPE MLA with a sigmoid output gate, attended in the absorbed form over the latent cache."""
+
+    def __init__(self, config: dict):
+        super().__init__()
+        hidden, heads = config["hidden_size"], config["num_attention_heads"]
+        self.dn, self.dr, self.dv = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
+        self.kl = config["kv_lora_rank"]
+        self.heads = per_rank(heads, "num_attention_heads")
+        self.q_a_proj = ReplicatedLinear(hidden, config["q_lora_rank"])
+        self.q_a_layernorm = RMSNorm(config["q_lora_rank"], LORA_NORM_EPS)
+        self.q_b_proj = ColumnParallelLinear(config["q_lora_rank"], heads * (self.dn + self.dr))
+        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, self.kl + self.dr)
+        self.kv_a_layernorm = RMSNorm(self.kl, LORA_NORM_EPS)
+        self.kv_b_proj = ColumnParallelLinear(self.kl, heads * (self.dn + self.dv))
+        self.g_proj = ColumnParallelLinear(hidden, heads * self.dv)
+        self.o_proj = RowParallelLinear(heads * self.dv, hidden)
+        self.scale = (self.dn + self.dr) ** -0.5
+        self.cache: torch.Tensor | None = None  # [slots, 1, kl + dr], replicated on every rank
+
+    def forward(self, x: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(T, self.heads, self.dn + self.dr)
+        latent = self.kv_a_proj_with_mqa(x)
+        row = torch.cat([self.kv_a_layernorm(latent[:, :self.kl]), latent[:, self.kl:]], dim=-1)
+        write_cache(self.cache, meta.slots, row[:, None, :])
+        # kv_b_proj holds, per head, dn rows that expand the latent to K_nope and dv rows to V.
+        w = self.kv_b_proj.weight.view(self.heads, self.dn + self.dv, self.kl)
+        q_lat = torch.einsum("thd,hdk->thk", q[..., :self.dn], w[:, :self.dn])
+        o_lat = paged_attention(torch.cat([q_lat, q[..., self.dn:]], dim=-1), self.cache,
+                                self.cache[..., :self.kl], meta, self.scale, causal=True)
+        o = torch.einsum("thk,hvk->thv", o_lat, w[:, self.dn:])
+        o = o * torch.sigmoid(self.g_proj(x).float()).view(T, self.heads, self.dv).to(o.dtype)
+        return self.o_proj(o.reshape(T, self.heads * self.dv))
+
+
+class KDA(nn.Module):
+    """Kimi Delta Attention: short conv + SiLU on q/k/v, L2-normed q/k, lower-bounded sigmoid gate,
+    float32 delta rule, gated per-head RMSNorm."""
+
+    def __init__(self, config: dict):
+        super().__init__()
+        lin = config["linear_attn_config"]
+        hidden, heads, d = config["hidden_size"], lin["num_heads"], lin["head_dim"]
+        self.heads, self.d, self.kernel = per_rank(heads, "linear_attn_config.num_heads"), d, lin["short_conv_kernel_size"]
+        self.lower_bound = lin.get("gate_lower_bound", -5.0)
+        if not lin.get("use_full_rank_gate", True):
+            raise NotImplementedError("KDA with use_full_rank_gate=false is not supported")
+        for name in ("q_proj", "k_proj", "v_proj", "g_proj"):
+            setattr(self, name, ColumnParallelLinear(hidden, heads * d))
+        self.f_a_proj = ReplicatedLinear(hidden, d)
+        self.f_b_proj = ColumnParallelLinear(d, heads * d)
+        self.b_proj = ColumnParallelLinear(hidden, heads)
+        for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
+            setattr(self, name, nn.Module())
+            getattr(self, name).weight = new_param((self.heads * d, 1, self.kernel), 0, torch.float32)
+        self.A_log = new_param((self.heads,), 0, torch.float32)
+        self.A_log.checkpoint_padded = True  # the checkpoint zero-pads it past num_heads
+        self.dt_bias = new_param((self.heads * d,), 0, torch.float32)
+        self.o_norm = RMSNorm(d, config["rms_norm_eps"])
+        self.o_proj = RowParallelLinear(heads * d, hidden)
+        # State pool [seqs, ...] and, for verify, per-row staged states [seqs, rows, ...].
+        self.conv_state = self.state = self.staged_conv = self.staged_state = None
+
+    def allocate(self, seqs: int, rows: int, device) -> None:
+        C = 3 * self.heads * self.d
+        self.conv_state = torch.zeros(seqs, C, self.kernel - 1, device=device)
+        self.state = torch.zeros(seqs, self.heads, self.d, self.d, device=device)
+        self.staged_conv = torch.zeros(seqs, rows, C, self.kernel - 1, device=device)
+        self.staged_state = torch.zeros(seqs, rows, self.heads, self.d, self.d, device=device)
+
+    def forward(self, x: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+        T, H, d = x.shape[0], self.heads, self.d
+        raw = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])[:, 0]
+        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(T, H, d), self.A_log, self.dt_bias, self.lower_bound)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        out = x.new_zeros(T, H, d, dtype=torch.float32)
+        for b, slot in enumerate(meta.state_ids.tolist()):
+            rows = meta.q_index[b][meta.q_index[b] < T]
+            conv_in = self.conv_state[slot]
+            mixed, conv_out = short_conv(raw[rows], weight, conv_in)
+            q, k, v = (t.view(-1, H, d) for t in mixed.split(H * d, dim=-1))
+            q, k = l2norm(q), l2norm(k)
+            if meta.stage:
+                # One token at a time from the committed state, keeping the state after each row.
+                S = self.state[slot]
+                for j, r in enumerate(rows.tolist()):
+                    o, S = kda_recurrent(q[j:j + 1], k[j:j + 1], v[j:j + 1], g[r:r + 1], beta[r:r + 1], S)
+                    out[r] = o[0]
+                    self.staged_state[b, j] = S
+                    window = torch.cat([conv_in, raw[rows[:j + 1]].T.float()], dim=-1)
+                    self.staged_conv[b, j] = window[:, -(self.kernel - 1):]
+            else:
+                o, S = kda_chunked(q, k, v, g[rows], beta[rows], self.state[slot])
+                out[rows] = o
+                self.state[slot] = S
+                self.conv_state[slot] = conv_out
+        o = rms_norm(out, self.o_norm.weight.float(), self.o_norm.eps)
+        o = o * torch.sigmoid(self.g_proj(x).float()).view(T, H, d)
+        return self.o_proj(o.reshape(T, H * d).to(x.dtype))
+
+    def commit(self, state_ids: list[int], kept: list[int]) -> None:
+        """After a verify: the committed state becomes the one after row kept-1."""
+        for b, (slot, n) in enumerate(zip(state_ids, kept)):
+            self.state[slot] = self.staged_state[b, n - 1]
+            self.conv_state[slot] = self.staged_conv[b, n - 1]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: dict, index: int):
+        super().__init__()
+        hidden, eps = config["hidden_size"], config["rms_norm_eps"]
+        kda_layers = config["linear_attn_config"]["kda_layers"]  # 1-based
+        self.is_kda = (index + 1) in kda_layers
+        self.self_attn = KDA(config) if self.is_kda else GatedMLA(config)
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.self_attention_res_norm = RMSNorm(hidden, eps)
+        self.self_attention_res_proj = ReplicatedLinear(hidden, 1)
+        self.mlp_res_norm = RMSNorm(hidden, eps)
+        self.mlp_res_proj = ReplicatedLinear(hidden, 1)
+        moe = index >= config.get("first_k_dense_replace", 1) and index % config.get("moe_layer_freq", 1) == 0
+        if not moe:
+            self.mlp = SituMLP(config, hidden, config["intermediate_size"])
+        else:
+            self.block_sparse_moe = LatentMoE(config)
+        block = config["attn_res_block_size"]
+        self.is_write, self.write_idx, self.prev = index % block == 0, index // block, -(-index // block)
+
+    def attn_mix(self, prefix: torch.Tensor, blocks: list[torch.Tensor]) -> torch.Tensor:
+        """The attention-side mix this layer computes at its entry, before input_layernorm."""
+        return attn_res_mix(prefix, blocks[:self.prev], self.self_attention_res_norm, self.self_attention_res_proj)
+
+    def forward(self, prefix: torch.Tensor, blocks: list[torch.Tensor], meta: AttnMeta) -> torch.Tensor:
+        h = self.input_layernorm(self.attn_mix(prefix, blocks))
+        if self.is_write:
+            blocks.append(prefix)  # snapshot: block 0 is the embedding
+            prefix = None
+        a = self.self_attn(h, meta)
+        prefix = a if prefix is None else prefix + a
+        mixed = attn_res_mix(prefix, blocks[:self.prev + self.is_write], self.mlp_res_norm, self.mlp_res_proj)
+        h = self.post_attention_layernorm(mixed)
+        ffn = self.mlp if hasattr(self, "mlp") else self.block_sparse_moe
+        return prefix + ffn(h)
+
+
+class KimiLinearModel(nn.Module):
+    def __init__(self, config: dict):
+        super().__init__()
+        hidden, eps = config["hidden_size"], config["rms_norm_eps"]
+        self.embed_tokens = VocabParallelEmbedding(config["vocab_size"], hidden)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config["num_hidden_layers"]))
+        self.norm = RMSNorm(hidden, eps)
+        self.output_attn_res_norm = RMSNorm(hidden, eps)
+        self.output_attn_res_proj = ReplicatedLinear(hidden, 1)
+
+
+class KimiK3ForConditionalGeneration(nn.Module):
+    """Text path of Kimi-K3; the vision tower's weights are skipped at load."""
+
+    def __init__(self, config: dict):
+        super().__init__()
+        text = config.get("text_config", config)
+        for key in ("quantization_config",):
+            if key in config and key not in text:
+                text = {**text, key: config[key]}
+        if text.get("hidden_act", "situ") != "situ":
+            raise NotImplementedError(f"hidden_act={text['hidden_act']!r} is not supported for Kimi-K3")
+        self.config = text
+        self.hidden_size, self.vocab_size = text["hidden_size"], text["vocab_size"]
+        self.model = KimiLinearModel(text)
+        self.lm_head = ParallelLMHead(self.hidden_size, self.vocab_size)
+        self.tap_ids: list[int] = []
+        self.tap_stream = "prefix"
+
+    @property
+    def embed_tokens(self) -> VocabParallelEmbedding:
+        return self.model.embed_tokens
+
+    def checkpoint_name(self, name: str) -> str | None:
+        if not name.startswith("language_model."):
+            return None  # vision_tower.*, mm_projector.*: the text path does not use them
+        name = name.removeprefix("language_model.")
+        if name.endswith("rotary_emb.inv_freq"):
+            return None
+        parts = name.split(".")
+        if parts[:2] == ["model", "layers"] and int(parts[2]) >= len(self.model.layers):
+            return None  # multi-token-prediction layers past the last decoder layer
+        return name
+
+    def set_taps(self, layer_ids: list[int], stream: str | None = None) -> None:
+        n = len(self.model.layers)
+        if len(set(layer_ids)) != len(layer_ids) or any(not 0 <= i < n for i in layer_ids):
+            raise ValueError(f"tap layer ids must be unique and in [0, {n}), got {layer_ids}")
+        if (stream or "prefix") not in ("prefix", "attn_res"):
+            raise ValueError(f"aux_hidden_stream must be prefix or attn_res, got {stream!r}")
+        self.tap_ids, self.tap_stream = sorted(layer_ids), stream or "prefix"
+
+    def allocate_cache(self, num_slots: int, dtype: torch.dtype, device) -> None:
+        for layer in self.model.layers:
+            if not layer.is_kda:
+                attn = layer.self_attn
+                attn.cache = torch.zeros(num_slots, 1, attn.kl + attn.dr, dtype=dtype, device=device)
+
+    def allocate_state(self, max_seqs: int, max_rows: int, device) -> None:
+        """Recurrent state for max_seqs sequences, and staging for verifies of max_rows rows."""
+        for layer in self.model.layers:
+            if layer.is_kda:
+                layer.self_attn.allocate(max_seqs, max_rows, device)
+
+    def commit(self, state_ids: list[int], kept: list[int]) -> None:
+        for layer in self.model.layers:
+            if layer.is_kda:
+                layer.self_attn.commit(state_ids, kept)
+
+    def forward(self, input_ids: torch.Tensor, meta: AttnMeta) -> tuple[torch.Tensor, torch.Tensor | None]:
+        prefix = self.model.embed_tokens(input_ids)
+        blocks: list[torch.Tensor] = []
+        taps = []
+        layers = self.model.layers
+        for i, layer in enumerate(layers):
+            if self.tap_stream == "attn_res" and i - 1 in self.tap_ids:
+                taps.append(layer.attn_mix(prefix, blocks))  # tap L = the mix entering layer L+1
+            prefix = layer(prefix, blocks, meta)
+            if self.tap_stream == "prefix" and i in self.tap_ids:
+                taps.append(prefix)
+        m = self.model
+        h = attn_res_mix(prefix, blocks, m.output_attn_res_norm, m.output_attn_res_proj)
+        if self.tap_stream == "attn_res" and len(layers) - 1 in self.tap_ids:
+            taps.append(h)  # the output mix, before the final norm
+        logits = self.lm_head(self.model.norm(h)[meta.logits_rows]).float()
+        return logits, torch.cat(taps, dim=-1) if taps else None
