@@ -9,6 +9,7 @@ import torch
 from dflash_batch import parallel
 from dflash_batch.engine.engine import Engine
 from dflash_batch.job import Job, JobError
+from dflash_batch.models.dflash import draft_value
 from dflash_batch.models.loader import load_model
 from dflash_batch.plan.tokenize import Tokenizer
 
@@ -50,9 +51,11 @@ def build_engine(job: Job, tokenizer: Tokenizer) -> Engine:
         drafter = _load(job.model.drafter, dtype, device, "drafter")
         check_pair(target, drafter)
         drafter.bind_target(target.embed_tokens, target.lm_head)
-        target.set_taps(drafter.target_layer_ids)
+        try:
+            target.set_taps(drafter.target_layer_ids, draft_value(drafter.config, "aux_hidden_stream"))
+        except ValueError as e:
+            raise JobError(f"model.drafter {job.model.drafter}: {e}") from None
         if parallel.rank() == 0:
-            stream = getattr(target, "tap_stream", "residual")
-            print(f"taps: layers={tuple(target.tap_ids)} stream={stream}", file=sys.stderr)
+            print(f"taps: layers={tuple(target.tap_ids)} stream={target.tap_stream}", file=sys.stderr)
     return Engine(target, drafter, tokenizer.decode, page_size=job.engine.page_size,
                   max_num_batched_tokens=job.engine.max_num_batched_tokens, dtype=dtype, device=device)

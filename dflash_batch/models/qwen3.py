@@ -114,6 +114,7 @@ class Qwen3ForCausalLM(nn.Module):
         head_dim = config.get("head_dim") or self.hidden_size // config["num_attention_heads"]
         self.rotary_emb = rope_from_config(config, head_dim)
         self.tap_ids: list[int] = []
+        self.tap_stream = "residual"
 
     @property
     def embed_tokens(self) -> VocabParallelEmbedding:
@@ -132,7 +133,10 @@ class Qwen3ForCausalLM(nn.Module):
             attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
             attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
 
-    def set_taps(self, layer_ids: list[int]) -> None:
+    def set_taps(self, layer_ids: list[int], stream: str | None = None) -> None:
+        """Taps are the residual stream after each layer (transformers' hidden_states[L+1])."""
+        if stream not in (None, "residual"):
+            raise ValueError(f"aux_hidden_stream {stream!r} is not available on Qwen3 (residual only)")
         n = len(self.model.layers)
         if len(set(layer_ids)) != len(layer_ids) or any(not 0 <= i < n for i in layer_ids):
             raise ValueError(f"tap layer ids must be unique and in [0, {n}), got {layer_ids}")
