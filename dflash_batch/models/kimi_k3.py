@@ -35,33 +35,29 @@ def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) 
 
 
 class SituMLP(nn.Module):
-    """gate/up column-parallel, down row-parallel (dense layer 0, shared experts, routed experts)."""
+    """gate/up column-parallel, down row-parallel, SiTU between (dense layer 0, shared experts)."""
+
+    names = ("gate_proj", "up_proj", "down_proj")
 
     def __init__(self, config: dict, hidden: int, inter: int, reduce: bool = True):
         super().__init__()
-        self.gate_proj = ColumnParallelLinear(hidden, inter)
-        self.up_proj = ColumnParallelLinear(hidden, inter)
-        self.down_proj = RowParallelLinear(inter, hidden, reduce=reduce)
+        gate, up, down = self.names
+        setattr(self, gate, ColumnParallelLinear(hidden, inter))
+        setattr(self, up, ColumnParallelLinear(hidden, inter))
+        setattr(self, down, RowParallelLinear(inter, hidden, reduce=reduce))
         self.beta = config.get("activation_situ_beta", 4.0)
         self.linear_beta = config.get("activation_situ_linear_beta", 25.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(situ(self.gate_proj(x), self.up_proj(x), self.beta, self.linear_beta))
+        gate, up, down = (getattr(self, n) for n in self.names)
+        return down(situ(gate(x), up(x), self.beta, self.linear_beta))
 
 
-class Expert(nn.Module):
-    """A routed expert in the latent width; its partial output is reduced once for all experts."""
+class Expert(SituMLP):
+    """A routed expert, in the latent width; built with reduce=False, as all experts' partial
+    outputs are summed and reduced once."""
 
-    def __init__(self, config: dict, latent: int, inter: int):
-        super().__init__()
-        self.w1 = ColumnParallelLinear(latent, inter)
-        self.w3 = ColumnParallelLinear(latent, inter)
-        self.w2 = RowParallelLinear(inter, latent, reduce=False)
-        self.beta = config.get("activation_situ_beta", 4.0)
-        self.linear_beta = config.get("activation_situ_linear_beta", 25.0)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(situ(self.w1(x), self.w3(x), self.beta, self.linear_beta))
+    names = ("w1", "w3", "w2")
 
 
 class Router(nn.Module):
@@ -85,7 +81,7 @@ class LatentMoE(nn.Module):
         self.routed_expert_down_proj = ReplicatedLinear(hidden, latent)
         self.routed_expert_up_proj = ReplicatedLinear(latent, hidden)
         self.routed_expert_norm = RMSNorm(latent, config["rms_norm_eps"])
-        self.experts = nn.ModuleList(Expert(config, latent, config["moe_intermediate_size"])
+        self.experts = nn.ModuleList(Expert(config, latent, config["moe_intermediate_size"], reduce=False)
                                      for _ in range(config["num_experts"]))
         shared = config.get("num_shared_experts", 0) * config["moe_intermediate_size"]
         self.shared_experts = SituMLP(config, hidden, shared) if shared else None
