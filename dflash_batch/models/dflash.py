@@ -17,7 +17,9 @@ from torch import nn
 
 from dflash_batch.backends.torch_attention import paged_attention, write_cache
 from dflash_batch.engine.context import AttnMeta
-from dflash_batch.models.layers.linear import ColumnParallelLinear, per_rank, ReplicatedLinear, RowParallelLinear
+from dflash_batch.models.layers.linear import (
+    ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, new_param, per_rank,
+)
 from dflash_batch.models.layers.norm import RMSNorm
 from dflash_batch.models.layers.rope import apply_rope, apply_rope_interleaved, rope_from_config, yarn_softmax_mscale
 from dflash_batch.models.qwen3 import Qwen3MLP
@@ -37,12 +39,6 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
     first, last = 1, num_target_layers - 3
     step = (last - first) / (num_draft_layers - 1)
     return [round(first + i * step) for i in range(num_draft_layers)]
-
-
-def _replicated(*shape: int) -> nn.Parameter:
-    p = nn.Parameter(torch.empty(shape), requires_grad=False)
-    p.shard_dim = None
-    return p
 
 
 def block_mask(config: dict, layer_idx: int) -> tuple[int | None, bool]:
@@ -179,7 +175,7 @@ class GroupedDynamicConv(nn.Module):
             raise ValueError(f"hidden_size={hidden} is not divisible by conv_group_size={group_size}")
         self.kernel_size = kernel_size
         self.groups = hidden // group_size
-        self.base_kernel = _replicated(2, kernel_size, hidden)
+        self.base_kernel = new_param((2, kernel_size, hidden), None)
         self.kernel_projection = ReplicatedLinear(hidden, 2 * kernel_size * self.groups)
 
     def prepare(self, h: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -316,8 +312,8 @@ class CandidateSelector(nn.Module):
         super().__init__()
         rank = int(draft_value(config, "selector_rank"))
         self.top_k = int(draft_value(config, "selector_top_k"))
-        self.predecessor_codebook = _replicated(config["vocab_size"], rank)
-        self.successor_codebook = _replicated(config["vocab_size"], rank)
+        self.predecessor_codebook = new_param((config["vocab_size"], rank), None)
+        self.successor_codebook = new_param((config["vocab_size"], rank), None)
         self.hidden_projection = ReplicatedLinear(config["hidden_size"], rank)
 
     def greedy_path(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
