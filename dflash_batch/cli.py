@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections import Counter
 from pathlib import Path
@@ -109,8 +110,13 @@ def run(job_file: str, shard_text: str | None, output_dir: str | None, no_progre
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
+        ranks = mp.start_processes(_tp_rank, args=(tp, port, job, shard, not no_progress), nprocs=tp,
+                                   join=False, start_method="spawn")
+        # Slurm signals this process only: pass SIGTERM on so every rank stops at the same row.
+        signal.signal(signal.SIGTERM, lambda *_: [p.terminate() for p in ranks.processes if p.is_alive()])
         try:
-            mp.spawn(_tp_rank, args=(tp, port, job, shard, not no_progress), nprocs=tp)
+            while not ranks.join():
+                pass
         except mp.ProcessExitedException as e:
             sys.exit(e.exit_code)
         except mp.ProcessRaisedException as e:

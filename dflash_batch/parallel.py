@@ -38,6 +38,15 @@ def all_gather_last(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def any_rank(flag: bool) -> bool:
+    """True on every rank if it is true on any (so all ranks take the same branch)."""
+    if world_size() == 1:
+        return flag
+    t = torch.tensor([int(flag)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
 def barrier() -> None:
     if world_size() > 1:
         dist.barrier()

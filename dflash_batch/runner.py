@@ -113,11 +113,12 @@ class _Run:
         return reqs
 
     def _commit(self, row: dict) -> None:
-        if self.writer is None:  # tensor-parallel ranks other than 0 decode but do not write
-            return
-        self.writer.add(row)
-        if self.stop.is_set():
-            self.writer.flush()
+        if self.writer is not None:  # tensor-parallel ranks other than 0 decode but do not write
+            self.writer.add(row)
+        # Every rank commits the same rows in the same order; they agree on stopping here.
+        if parallel.any_rank(self.stop.is_set()):
+            if self.writer is not None:
+                self.writer.flush()
             raise Preempted()
 
     # -- the loop ------------------------------------------------------------------------------

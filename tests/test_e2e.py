@@ -81,3 +81,31 @@ def test_tensor_parallel_2_run_equals_tp1(tmp_path, pair):
                       key=lambda r: (r["row_id"], r["sample_index"]))
 
     assert rows("tp1") == rows("tp2")
+
+
+def test_sigterm_stops_every_tp_rank_and_resume_completes(tmp_path, pair):
+    """Slurm signals the launcher only: it must pass SIGTERM on, the ranks must agree where to
+    stop, and a rerun must finish the job without duplicates."""
+    import signal
+    import time
+
+    target, drafter = pair
+    rows = [{"id": f"r{i}", "prompt": "What is 12 plus 30? " * (1 + i % 5)} for i in range(60)]
+    write_jsonl(tmp_path / "p.jsonl", rows)
+    doc = base_job(target, ["p.jsonl"], sampling={"max_new_tokens": 24}, output={"dir": "out", "rows_per_part": 1},
+                   model={"tensor_parallel_size": 2})
+    doc["model"]["drafter"] = str(drafter)
+    doc["engine"]["max_num_seqs"] = 2
+    write_job(tmp_path, doc)
+    proc = subprocess.Popen([*CLI, "run", str(tmp_path / "job.yaml"), "--no-progress"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not read_out(tmp_path / "out") and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 143, proc.stderr.read().decode()[-2000:]
+    done = len(read_out(tmp_path / "out"))
+    assert 0 < done < 60
+    _run(tmp_path / "job.yaml")
+    keys = [(r["row_id"], r["sample_index"]) for r in read_out(tmp_path / "out")]
+    assert len(keys) == len(set(keys)) == 60
