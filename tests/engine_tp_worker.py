@@ -15,15 +15,17 @@ import torch.distributed as dist
 
 from dflash_batch.engine.engine import Engine
 from dflash_batch.engine.request import Request, SamplingParams
+from dflash_batch.models.dflash import draft_value
 from dflash_batch.models.loader import load_model
 from dflash_batch.plan.buckets import Bucket
 
 
 def generate(target_dir: str, drafter_dir: str, prompts: list[list[int]], sampling: dict) -> list[dict]:
-    """Speculative decoding of every prompt (seed 1000 + index): tokens and accepted drafts per round."""
+    """Speculative decoding of every prompt (seed 1000 + index): tokens and accepted drafts per round.
+    The target taps the drafter's layers on the drafter's aux_hidden_stream, as build_engine does."""
     target, drafter = load_model(target_dir), load_model(drafter_dir)
     drafter.bind_target(target.embed_tokens, target.lm_head)
-    target.set_taps(drafter.target_layer_ids)
+    target.set_taps(drafter.target_layer_ids, draft_value(drafter.config, "aux_hidden_stream"))
     reqs = [Request((str(i), 0), p, SamplingParams(seed=1000 + i, **sampling)) for i, p in enumerate(prompts)]
     bucket = Bucket(0, "0-1024", 1024, 16, True, None)
     done = {c.key: c for c in Engine(target, drafter).generate(reqs, bucket)}

@@ -65,7 +65,10 @@ class Engine:
                         exhausted = True
                         break
                     capacity = len(req.prompt_ids) + req.params.max_new_tokens + block
-                    prefilling.append(Sequence(req, pool.allocate(capacity), block, free_states.pop()))
+                    slot = free_states.pop()
+                    if self.recurrent:
+                        self.target.reset_state(slot)  # a freed slot still holds its last sequence's state
+                    prefilling.append(Sequence(req, pool.allocate(capacity), block, slot))
                 if prefilling:
                     done = self._prefill_step(prefilling, block)
                     prefilling = [s for s in prefilling if s not in done]
@@ -137,6 +140,10 @@ class Engine:
             self.drafter.write_context(taps, meta)
         else:
             accepted = torch.zeros(bs, dtype=torch.int64)
+        if self.recurrent:
+            # The verify left the recurrent state alone; it moves past the anchor and the n
+            # accepted drafts (the bonus is the next anchor, not yet fed).
+            self.target.commit([s.state_slot for s in seqs], (accepted + 1).tolist())
         for seq, n, row in zip(seqs, accepted.tolist(), chosen.tolist()):
             before = len(seq.tokens)
             seq.append(seq.drafts[:n] + [row[n]])

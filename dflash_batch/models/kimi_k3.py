@@ -326,6 +326,14 @@ class KimiK3ForConditionalGeneration(nn.Module):
             if layer.is_kda:
                 layer.self_attn.allocate(max_seqs, max_rows, device)
 
+    def reset_state(self, slot: int) -> None:
+        """Zero one sequence's recurrent state (conv window and delta-rule state) before a new
+        sequence starts in that slot."""
+        for layer in self.model.layers:
+            if layer.is_kda:
+                layer.self_attn.conv_state[slot] = 0
+                layer.self_attn.state[slot] = 0
+
     def commit(self, state_ids: list[int], kept: list[int]) -> None:
         for layer in self.model.layers:
             if layer.is_kda:

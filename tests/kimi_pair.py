@@ -1,0 +1,125 @@
+"""A tiny Kimi-K3 target and a matching tiny DFlash2 drafter in `attention_mode: mla`, for engine
+tests. Imports neither transformers nor dflash, so spawned TP workers may use it.
+
+The drafter taps target layers 1 (KDA) and 3 (gated MLA, and an AttnRes block-write layer), so
+both kinds of layer state feed the drafter's context. Its two sliding layers have a window shorter
+than the test prompts; its last layer attends to the whole context.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash_batch.models.dflash import draft_value
+from dflash_batch.models.loader import load_model
+from tests.tiny_kimi import make_kimi_checkpoint
+
+HIDDEN, VOCAB = 64, 96              # the tiny Kimi-K3's
+TAPS = [1, 3]                       # 0-based: layer 1 is KDA, layer 3 MLA (tiny_kimi's default layout)
+MASK = 95                           # the tiny Kimi's pad id: valid, and outside the active tokens
+ACTIVE = 8                          # tokens with a (peaked) head row in the target
+BLOCK = 8
+# The drafter's MLA shape (as tests/test_dflash_mla.py): heads, q/kv LoRA ranks, nope/rope/v dims.
+H, QL, KL, DN, DR, DV = 4, 32, 16, 16, 8, 16
+INTER, LAYERS = 128, 3
+CONV_TAPS, CONV_GROUP, RANK, SEL_TOP_K = 2, 16, 8, 4
+# TokenSpeed's unit-test fixture for a DFlash2-MLA config.
+YARN = dict(rope_type="yarn", rope_theta=50000.0, factor=32.0, original_max_position_embeddings=32768,
+            beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
+
+
+def drafter_config(stream: str = "prefix", window: int = 6) -> dict:
+    dflash = dict(block_size=BLOCK, attention_mode="mla", conv_kernel_size=CONV_TAPS,
+                  conv_group_size=CONV_GROUP, selector_rank=RANK, selector_top_k=SEL_TOP_K,
+                  target_layer_ids=TAPS, mask_token_id=MASK)
+    if stream != "prefix":  # absent for "prefix": the target's default must apply
+        dflash["aux_hidden_stream"] = stream
+    return dict(
+        architectures=["DFlash2DraftModel"], model_type="qwen3", hidden_act="silu",
+        hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
+        num_attention_heads=H, num_key_value_heads=H, q_lora_rank=QL, kv_lora_rank=KL,
+        qk_nope_head_dim=DN, qk_rope_head_dim=DR, v_head_dim=DV, vocab_size=VOCAB, rms_norm_eps=1e-5,
+        num_target_layers=8, layer_types=["sliding_attention"] * (LAYERS - 1) + ["full_attention"],
+        is_causal=False, use_sliding_window=True, sliding_window=window, rope_parameters=dict(YARN),
+        dflash_config=dflash)
+
+
+def drafter_tensors(seed: int) -> dict[str, torch.Tensor]:
+    """Unit-scale random weights, named and shaped as a DFlash2-MLA checkpoint holds them."""
+    groups = HIDDEN // CONV_GROUP
+    shapes = {"fc.weight": (HIDDEN, len(TAPS) * HIDDEN), "hidden_norm.weight": (HIDDEN,), "norm.weight": (HIDDEN,),
+              "candidate_selector.predecessor_codebook": (VOCAB, RANK),
+              "candidate_selector.successor_codebook": (VOCAB, RANK),
+              "candidate_selector.hidden_projection.weight": (RANK, HIDDEN)}
+    for i in range(LAYERS):
+        p, a = f"layers.{i}.", f"layers.{i}.self_attn."
+        shapes |= {p + "input_layernorm.weight": (HIDDEN,), p + "post_attention_layernorm.weight": (HIDDEN,),
+                   a + "q_a_proj.weight": (QL, HIDDEN), a + "q_a_layernorm.weight": (QL,),
+                   a + "q_b_proj.weight": (H * (DN + DR), QL), a + "kv_a_proj_with_mqa.weight": (KL + DR, HIDDEN),
+                   a + "kv_a_layernorm.weight": (KL,), a + "kv_b_proj.weight": (H * (DN + DV), KL),
+                   a + "o_proj.weight": (HIDDEN, H * DV),
+                   p + "mlp.gate_proj.weight": (INTER, HIDDEN), p + "mlp.up_proj.weight": (INTER, HIDDEN),
+                   p + "mlp.down_proj.weight": (HIDDEN, INTER)}
+        for conv in ("attention_conv", "mlp_conv"):
+            shapes |= {p + f"{conv}.base_kernel": (2, CONV_TAPS, HIDDEN),
+                       p + f"{conv}.kernel_projection.weight": (2 * CONV_TAPS * groups, HIDDEN)}
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in shapes.items():
+        noise = torch.randn(shape, generator=gen)
+        out[name] = 1.0 + 0.2 * noise if name.endswith("norm.weight") else noise / math.sqrt(shape[-1])
+    return out
+
+
+def set_target_head(target_dir: Path, head: torch.Tensor) -> None:
+    """Replace language_model.lm_head.weight in whichever safetensors shard holds it."""
+    for path in sorted(target_dir.glob("*.safetensors")):
+        weights = load_file(path)
+        if "language_model.lm_head.weight" in weights:
+            weights["language_model.lm_head.weight"] = head.to(weights["language_model.lm_head.weight"].dtype)
+            save_file(weights, path, metadata={"format": "pt"})
+            return
+    raise KeyError(f"no language_model.lm_head.weight in {target_dir}")
+
+
+def peaked_head(seed: int, scale: float = 3.0, active: int = ACTIVE) -> torch.Tensor:
+    """Near rank one on the first `active` tokens, logits ~ scale * (h.u) * c + noise: the argmax is
+    mostly a token at one end of c, which the drafter (borrowing this head) also tends to propose,
+    so rounds accept 0..B-1 drafts. The other tokens get a faint noise row rather than zeros, so no
+    two logits tie exactly (a top-k cut through a tie would depend on the sort's tie order)."""
+    gen = torch.Generator().manual_seed(seed + 99)
+    u = torch.randn(HIDDEN, generator=gen) / HIDDEN ** 0.5
+    head = 0.001 * torch.randn(VOCAB, HIDDEN, generator=gen)
+    head[:active] += scale * torch.outer(torch.linspace(-1, 1, active), u)
+    head[:active] += 0.05 * torch.randn(active, HIDDEN, generator=gen)
+    return head
+
+
+def make_kimi_pair(directory: str | Path, stream: str = "prefix", window: int = 6, seed: int = 0,
+                   peaked: bool = True, head_scale: float = 3.0, active: int = ACTIVE,
+                   **target_overrides) -> tuple[Path, Path]:
+    """(target_dir, drafter_dir) under directory. `head_scale` < 3 softens the peaked head (for
+    sampling tests that need several likely tokens per step)."""
+    directory = Path(directory)
+    target = make_kimi_checkpoint(directory / "target", seed=seed, **target_overrides)
+    if peaked:
+        set_target_head(target, peaked_head(seed, head_scale, active))
+    drafter = directory / f"drafter_{stream}"
+    drafter.mkdir(parents=True, exist_ok=True)
+    (drafter / "config.json").write_text(json.dumps(drafter_config(stream, window)))
+    save_file(drafter_tensors(seed + 1), drafter / "model.safetensors", metadata={"format": "pt"})
+    return target, drafter
+
+
+def load_pair(target_dir: str | Path, drafter_dir: str | Path):
+    """(target, drafter) paired as build_engine pairs them: the drafter borrows the target's
+    embedding and head, and the target taps the drafter's layers on the drafter's stream."""
+    target, drafter = load_model(target_dir), load_model(drafter_dir)
+    drafter.bind_target(target.embed_tokens, target.lm_head)
+    target.set_taps(drafter.target_layer_ids, draft_value(drafter.config, "aux_hidden_stream"))
+    return target, drafter

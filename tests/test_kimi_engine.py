@@ -1,0 +1,155 @@
+"""The engine on Kimi-K3 + DFlash2-MLA: speculative greedy == target-only greedy for both tap
+streams; target-only greedy == argmax decoding with the fp64 reference; recurrent state slots
+reused by later sequences start clean; TP2 == TP1; build refuses drafters that do not fit.
+(The sampled-output law is in test_kimi_engine_sampling.py.)"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from dflash_batch.engine.build import build_engine, check_pair
+from dflash_batch.engine.engine import Engine
+from dflash_batch.job import JobError, parse_job
+from dflash_batch.models.loader import load_model
+from dflash_batch.models.registry import model_class
+from tests import engine_tp_worker
+from tests.engine_util import bucket, random_prompts, run
+from tests.kimi_pair import BLOCK, TAPS, VOCAB, load_pair, make_kimi_pair
+from tests.kimi_reference import load_reference, reference_forward
+from tests.test_tp import free_port
+from tests.tiny_kimi import make_kimi_checkpoint
+
+STREAMS = ["prefix", "attn_res"]
+# Mixed lengths: 1 (shorter than every window and page), and longer than the drafter's window (6)
+# and the page (16).
+LENGTHS = [37, 1, 60, 7, 22, 3, 50, 12]
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("kimi_pairs")
+    return {s: make_kimi_pair(d / s, stream=s) for s in STREAMS}
+
+
+# -- greedy ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("stream", STREAMS)
+def test_speculative_greedy_equals_target_greedy(pairs, stream, batch):
+    target, drafter = load_pair(*pairs[stream])
+    assert target.tap_stream == stream
+    engine = Engine(target, drafter)
+    prompts = random_prompts(LENGTHS[:batch], vocab=VOCAB, seed=batch)
+    spec = run(engine, prompts, bucket(), max_new_tokens=24)
+    plain = run(engine, prompts, bucket(speculation=False), max_new_tokens=24)
+    assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
+    rounds = [c.spec.per_round for c in spec]
+    assert sum(map(sum, rounds)) > 0, "no draft accepted"
+    # A round that kept some drafts but not all, followed by another round: the next verify
+    # starts from a KDA state committed at a length between 1 and B.
+    assert any(0 < n < BLOCK - 1 for r in rounds for n in r[:-1]), rounds
+
+
+def test_target_only_greedy_matches_fp64_reference(tmp_path):
+    # The unpeaked head: its argmax wanders over the vocabulary, so every step's token depends
+    # on the whole KDA state and MLA cache.
+    path = make_kimi_checkpoint(tmp_path / "kimi")
+    prompt = random_prompts([21], vocab=VOCAB, seed=3)[0]
+    new = 8
+    got = run(Engine(load_model(path)), [prompt], bucket(speculation=False), max_new_tokens=new)[0].token_ids
+
+    ref, seq = load_reference(path), list(prompt)
+    for _ in range(new):
+        logits = reference_forward(ref, seq, [])[0][-1]
+        top = logits.topk(2).values
+        assert top[0] - top[1] > 1e-3, "near tie: fp32 and fp64 may rightly disagree; pick another prompt"
+        seq.append(int(logits.argmax()))
+    assert got == seq[len(prompt):]
+
+
+def test_state_slots_start_clean_when_reused(pairs):
+    # max_num_seqs=1 runs the prompts one after another in the same recurrent-state slot;
+    # each must decode as it does in a batch, where every prompt has a fresh slot.
+    engine = Engine(*load_pair(*pairs["prefix"]))
+    prompts = random_prompts([9, 30, 2, 17], vocab=VOCAB, seed=5)
+    batched = run(engine, prompts, bucket(max_num_seqs=4), max_new_tokens=12)
+    alone = run(engine, prompts, bucket(max_num_seqs=1), max_new_tokens=12)
+    assert [c.token_ids for c in alone] == [c.token_ids for c in batched]
+    assert [c.spec.per_round for c in alone] == [c.spec.per_round for c in batched]
+
+
+# -- tensor parallel -------------------------------------------------------------------------------
+def test_tp2_equals_tp1(pairs, tmp_path):
+    # Each rank holds 2 of 4 KDA heads, 2 of 4 MLA heads (target and drafter), half of every
+    # expert's intermediate width and 48 of the 96 vocabulary rows.
+    target, drafter = pairs["attn_res"]
+    prompts = random_prompts([1, 37, 20], vocab=VOCAB, seed=6)
+    runs = {"greedy": dict(max_new_tokens=24),
+            "sampled": dict(max_new_tokens=24, temperature=1.0, top_p=0.95)}
+    args = (str(target), str(drafter), prompts, runs)
+    expected = {name: engine_tp_worker.generate(*args[:3], s) for name, s in runs.items()}
+    assert any(n for r in expected["greedy"] for n in r["per_round"]), "no draft accepted"
+
+    mp.spawn(engine_tp_worker.run, args=(2, free_port(), *args, str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        for name in runs:
+            assert got[name] == expected[name], f"rank {rank}, {name}"
+
+
+# -- pairing ---------------------------------------------------------------------------------------
+def drafter_with(drafter_dir, **changes):
+    """The pair's drafter built (unloaded) from its config with top-level or dflash_config changes."""
+    config = json.loads((drafter_dir / "config.json").read_text())
+    for key, value in changes.items():
+        if key in config["dflash_config"]:
+            config["dflash_config"][key] = value
+        else:
+            config[key] = value
+    return model_class(config)(config)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(hidden_size=32), "hidden_size 32 != target's 64"),
+    (dict(vocab_size=128), "vocab_size 128 != target's 96"),
+    (dict(target_layer_ids=[1, 8]), r"target_layer_ids \[1, 8\]"),
+    (dict(target_layer_ids=[3, 3]), r"target_layer_ids \[3, 3\]"),
+    (dict(mask_token_id=96), "mask_token_id 96"),
+], ids=["hidden", "vocab", "layer_out_of_range", "layer_twice", "mask"])
+def test_check_pair_refuses_drafter_that_does_not_fit(pairs, change, message):
+    target_dir, drafter_dir = pairs["prefix"]
+    target = load_model(target_dir)
+    check_pair(target, drafter_with(drafter_dir))  # the pair itself fits
+    with pytest.raises(JobError, match=message):
+        check_pair(target, drafter_with(drafter_dir, **change))
+
+
+def job_for(target_dir, drafter_dir):
+    # build_engine reads only the model section; the input files need not exist.
+    return parse_job(dict(input=dict(paths=["prompts.jsonl"], input_ids_column="ids"),
+                          model=dict(target=str(target_dir), drafter=str(drafter_dir), dtype="float32"),
+                          engine=dict(backend="torch"), output=dict(dir="out")))
+
+
+@pytest.mark.parametrize("stream", STREAMS)
+def test_build_engine_names_the_tap_stream(pairs, stream, capsys):
+    engine = build_engine(job_for(*pairs[stream]), SimpleNamespace(decode=lambda ids: ""))
+    assert engine.target.tap_stream == stream
+    assert f"taps: layers={tuple(TAPS)} stream={stream}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("stream", ["residual", "mix"])
+def test_build_engine_refuses_unknown_stream(pairs, tmp_path, stream):
+    target_dir, drafter_dir = pairs["attn_res"]
+    bad = tmp_path / "drafter"
+    bad.mkdir()
+    config = json.loads((drafter_dir / "config.json").read_text())
+    config["dflash_config"]["aux_hidden_stream"] = stream
+    (bad / "config.json").write_text(json.dumps(config))
+    (bad / "model.safetensors").symlink_to(drafter_dir / "model.safetensors")
+    with pytest.raises(JobError, match=f"aux_hidden_stream must be prefix or attn_res, got '{stream}'"):
+        build_engine(job_for(target_dir, bad), SimpleNamespace(decode=lambda ids: ""))
