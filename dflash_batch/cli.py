@@ -163,6 +163,31 @@ def status(out_dir: str) -> None:
 
 
 @main.command()
+@click.argument("out_dir", type=click.Path(file_okay=False, exists=True))
+@click.option("--group-by", help="Column to group by (default: dataset, when present).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON instead of Markdown.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
+              help="Where to write the PNG (default: OUT_DIR/report.png).")
+def report(out_dir: str, group_by: str | None, as_json: bool, plot_path: str | None) -> None:
+    """Acceptance tables of OUT_DIR (all shards): per group, per bucket, per position."""
+    from dflash_batch.report import build_report, plot, to_markdown
+
+    try:
+        result = build_report(Path(out_dir), group_by)
+    except (FileNotFoundError, KeyError) as e:
+        _fail(JobError(str(e).strip('"')))
+    png = Path(plot_path) if plot_path else Path(out_dir) / "report.png"
+    if result["overall"]["rounds"]:
+        plot(result, png)
+    if as_json:
+        click.echo(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
+    else:
+        click.echo(to_markdown(result))
+        if result["overall"]["rounds"]:
+            click.echo(f"\nplot: {png}")
+
+
+@main.command()
 @click.option("--check", is_flag=True, help="Fail if the checked-in schemas differ.")
 @click.option("--dir", "schema_dir", default=str(SCHEMA_DIR), show_default=True)
 def schema(check: bool, schema_dir: str) -> None:

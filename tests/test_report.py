@@ -1,0 +1,65 @@
+"""`dflash-batch report`: the model card's tables, pooled as ratios of sums across shards."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dflash_batch.plan.shards import Shard
+from dflash_batch.runner import run_job
+from tests.fake_engine import fake_factory
+from tests.jobs_util import base_job, read_out, write_job, write_jsonl
+
+CLI = [sys.executable, "-m", "dflash_batch.cli", "report"]
+
+
+@pytest.fixture()
+def out_dir(tmp_path, model_dir):
+    rows = [{"id": f"r{i}", "input_ids": [11] * (1 + i * 9), "dataset": ["gsm", "math", "aime"][i % 3],
+             "mx": 3 + i % 17} for i in range(30)]
+    rows.append({"id": "bad", "input_ids": [], "dataset": "gsm"})
+    write_jsonl(tmp_path / "p.jsonl", rows)
+    doc = base_job(model_dir, ["p.jsonl"], buckets=[{"max_tokens": 64}, {"max_tokens": 256}],
+                   sampling={"n": 2})
+    doc["input"] = {"paths": ["p.jsonl"], "input_ids_column": "input_ids", "id_column": "id",
+                    "passthrough_columns": ["dataset"], "sampling_columns": {"max_new_tokens": "mx"}}
+    job = write_job(tmp_path, doc)
+    for i in range(2):  # two Slurm shards into one directory
+        run_job(job, fake_factory(), Shard(i, 2), progress=False)
+    return tmp_path / "out"
+
+
+def test_report_tables_are_ratios_of_sums(out_dir):
+    out = subprocess.run([*CLI, str(out_dir), "--json"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    rows = read_out(out_dir)
+    assert report["group_by"] == "dataset"
+    for name, g in report["groups"].items():
+        mine = [r for r in rows if r["dataset"] == name and r["status"] == "ok"]
+        rounds = sum(r["spec_rounds"] for r in mine)
+        accepted = sum(r["spec_accepted"] for r in mine)
+        assert g["acc_len"] == pytest.approx(1 + accepted / rounds)
+        assert g["proposal_acceptance"] == pytest.approx(accepted / (7 * rounds))
+        assert g["requests"] == len(mine) and g["prompts"] == len({r["row_id"] for r in rows if r["dataset"] == name})
+        assert g["truncated"] == sum(r["finish_reason"] == "length" for r in mine)
+        assert g["errors"] == sum(r["dataset"] == name and r["status"] == "error" for r in rows)
+    assert report["groups"]["gsm"]["errors"] >= 2  # the empty row, both samples
+    overall = report["overall"]
+    hist = [sum(r["spec_histogram"][n] for r in rows if r["status"] == "ok") for n in range(8)]
+    assert overall["histogram"] == hist
+    assert overall["alpha"] == pytest.approx([sum(hist[k:]) / sum(hist) for k in range(1, 8)])
+    assert set(report["buckets"]) == {"0-64", "64-256", "-"}  # "-": rows that failed before bucketing
+    assert (out_dir / "report.png").stat().st_size > 1000
+
+
+def test_report_markdown_and_errors(out_dir, tmp_path):
+    out = subprocess.run([*CLI, str(out_dir), "--plot", str(tmp_path / "p.png")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "| dataset | acc_len | proposal acceptance | prompts | requests | truncated | mean out tok |" in out.stdout
+    assert "| aime |" in out.stdout and "α_7" in out.stdout and (tmp_path / "p.png").exists()
+    bad = subprocess.run([*CLI, str(out_dir), "--group-by", "nope"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "no column 'nope'" in bad.stderr
