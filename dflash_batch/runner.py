@@ -63,6 +63,7 @@ class _Run:
             metadata={"dflash_batch.version": __version__, "dflash_batch.config_hash": config_hash,
                       "dflash_batch.job": job.model_dump_json()})
         self.stop = threading.Event()
+        self.tensor_parallel = parallel.world_size() > 1
         self.default_params = self._params(job.sampling)
 
     # -- rows ----------------------------------------------------------------------------------
@@ -116,7 +117,8 @@ class _Run:
         if self.writer is not None:  # tensor-parallel ranks other than 0 decode but do not write
             self.writer.add(row)
         # Every rank commits the same rows in the same order; they agree on stopping here.
-        if parallel.any_rank(self.stop.is_set()):
+        stop = parallel.any_rank(self.stop.is_set()) if self.tensor_parallel else self.stop.is_set()
+        if stop:
             if self.writer is not None:
                 self.writer.flush()
             raise Preempted()
