@@ -9,7 +9,6 @@ than the test prompts; its last layer attends to the whole context.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import torch
@@ -17,20 +16,17 @@ from safetensors.torch import load_file, save_file
 
 from dflash_batch.models.dflash import draft_value
 from dflash_batch.models.loader import load_model
+from tests.mla_drafter import (
+    CONV_GROUP, CONV_TAPS, DN, DR, DV, HIDDEN, INTER, KL, LAYERS, QL, RANK, YARN, H, mla_drafter_tensors,
+)
 from tests.tiny_kimi import make_kimi_checkpoint
 
-HIDDEN, VOCAB = 64, 96              # the tiny Kimi-K3's
+VOCAB = 96                          # the tiny Kimi-K3's (hidden 64: HIDDEN below)
 TAPS = [1, 3]                       # 0-based: layer 1 is KDA, layer 3 MLA (tiny_kimi's default layout)
 MASK = 95                           # the tiny Kimi's pad id: valid, and outside the active tokens
 ACTIVE = 8                          # tokens with a (peaked) head row in the target
 BLOCK = 8
-# The drafter's MLA shape (as tests/test_dflash_mla.py): heads, q/kv LoRA ranks, nope/rope/v dims.
-H, QL, KL, DN, DR, DV = 4, 32, 16, 16, 8, 16
-INTER, LAYERS = 128, 3
-CONV_TAPS, CONV_GROUP, RANK, SEL_TOP_K = 2, 16, 8, 4
-# TokenSpeed's unit-test fixture for a DFlash2-MLA config.
-YARN = dict(rope_type="yarn", rope_theta=50000.0, factor=32.0, original_max_position_embeddings=32768,
-            beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
+SEL_TOP_K = 4
 
 
 def drafter_config(stream: str = "prefix", window: int = 6) -> dict:
@@ -50,30 +46,7 @@ def drafter_config(stream: str = "prefix", window: int = 6) -> dict:
 
 
 def drafter_tensors(seed: int) -> dict[str, torch.Tensor]:
-    """Unit-scale random weights, named and shaped as a DFlash2-MLA checkpoint holds them."""
-    groups = HIDDEN // CONV_GROUP
-    shapes = {"fc.weight": (HIDDEN, len(TAPS) * HIDDEN), "hidden_norm.weight": (HIDDEN,), "norm.weight": (HIDDEN,),
-              "candidate_selector.predecessor_codebook": (VOCAB, RANK),
-              "candidate_selector.successor_codebook": (VOCAB, RANK),
-              "candidate_selector.hidden_projection.weight": (RANK, HIDDEN)}
-    for i in range(LAYERS):
-        p, a = f"layers.{i}.", f"layers.{i}.self_attn."
-        shapes |= {p + "input_layernorm.weight": (HIDDEN,), p + "post_attention_layernorm.weight": (HIDDEN,),
-                   a + "q_a_proj.weight": (QL, HIDDEN), a + "q_a_layernorm.weight": (QL,),
-                   a + "q_b_proj.weight": (H * (DN + DR), QL), a + "kv_a_proj_with_mqa.weight": (KL + DR, HIDDEN),
-                   a + "kv_a_layernorm.weight": (KL,), a + "kv_b_proj.weight": (H * (DN + DV), KL),
-                   a + "o_proj.weight": (HIDDEN, H * DV),
-                   p + "mlp.gate_proj.weight": (INTER, HIDDEN), p + "mlp.up_proj.weight": (INTER, HIDDEN),
-                   p + "mlp.down_proj.weight": (HIDDEN, INTER)}
-        for conv in ("attention_conv", "mlp_conv"):
-            shapes |= {p + f"{conv}.base_kernel": (2, CONV_TAPS, HIDDEN),
-                       p + f"{conv}.kernel_projection.weight": (2 * CONV_TAPS * groups, HIDDEN)}
-    gen = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, shape in shapes.items():
-        noise = torch.randn(shape, generator=gen)
-        out[name] = 1.0 + 0.2 * noise if name.endswith("norm.weight") else noise / math.sqrt(shape[-1])
-    return out
+    return mla_drafter_tensors(seed, VOCAB, len(TAPS))
 
 
 def set_target_head(target_dir: Path, head: torch.Tensor) -> None:

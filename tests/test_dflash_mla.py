@@ -28,18 +28,15 @@ from dflash_batch.models.layers.rope import (
 )
 from dflash_batch.models.loader import load_model
 from tests import drafter_util
+from tests.mla_drafter import (
+    CONV_GROUP, CONV_TAPS, DN, DR, DV, INTER, KL, LAYERS, QL, RANK, YARN, H, mla_drafter_tensors,
+)
 from tests.drafter_util import (
     HIDDEN, MASK, NUM_PAGES, PAGE, TAPS, VOCAB, block_ids, load_drafter, meta_for, scattered_tables,
 )
 
-# The published drafter's shape, shrunk: H heads, q/kv LoRA ranks, nope/rope/v head dims.
-H, QL, KL, DN, DR, DV = 4, 32, 16, 16, 8, 16
-INTER, LAYERS, WINDOW, BLOCK = 128, 3, 8, 8
-CONV_TAPS, CONV_GROUP, RANK, TOP_K = 2, 16, 8, 4
+WINDOW, BLOCK, TOP_K = 8, 8, 4
 EPS = 1e-5
-# TokenSpeed's unit-test fixture for a DFlash2-MLA config (§1.1).
-YARN = dict(rope_type="yarn", rope_theta=50000.0, factor=32.0, original_max_position_embeddings=32768,
-            beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
 YARN_UNEVEN = {**YARN, "mscale": 0.9, "mscale_all_dim": 1.3}  # cos/sin scaled too, not only softmax
 
 
@@ -59,33 +56,7 @@ def mla_config(rope: dict = YARN) -> dict:
 
 
 def mla_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random weights named and shaped as §1.2 lists them; unit-scale so that nothing hides
-    behind the tolerance."""
-    groups = HIDDEN // CONV_GROUP
-    shapes = {"fc.weight": (HIDDEN, len(TAPS) * HIDDEN), "hidden_norm.weight": (HIDDEN,), "norm.weight": (HIDDEN,),
-              "candidate_selector.predecessor_codebook": (VOCAB, RANK),
-              "candidate_selector.successor_codebook": (VOCAB, RANK),
-              "candidate_selector.hidden_projection.weight": (RANK, HIDDEN)}
-    for i in range(LAYERS):
-        p = f"layers.{i}."
-        shapes |= {p + "input_layernorm.weight": (HIDDEN,), p + "post_attention_layernorm.weight": (HIDDEN,),
-                   p + "self_attn.q_a_proj.weight": (QL, HIDDEN), p + "self_attn.q_a_layernorm.weight": (QL,),
-                   p + "self_attn.q_b_proj.weight": (H * (DN + DR), QL),
-                   p + "self_attn.kv_a_proj_with_mqa.weight": (KL + DR, HIDDEN),
-                   p + "self_attn.kv_a_layernorm.weight": (KL,),
-                   p + "self_attn.kv_b_proj.weight": (H * (DN + DV), KL),
-                   p + "self_attn.o_proj.weight": (HIDDEN, H * DV),
-                   p + "mlp.gate_proj.weight": (INTER, HIDDEN), p + "mlp.up_proj.weight": (INTER, HIDDEN),
-                   p + "mlp.down_proj.weight": (HIDDEN, INTER)}
-        for conv in ("attention_conv", "mlp_conv"):
-            shapes |= {p + f"{conv}.base_kernel": (2, CONV_TAPS, HIDDEN),
-                       p + f"{conv}.kernel_projection.weight": (2 * CONV_TAPS * groups, HIDDEN)}
-    gen = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, shape in shapes.items():
-        noise = torch.randn(shape, generator=gen)
-        out[name] = 1.0 + 0.2 * noise if name.endswith("norm.weight") else noise / math.sqrt(shape[-1])
-    return out
+    return mla_drafter_tensors(seed, VOCAB, len(TAPS))
 
 
 def save_checkpoint(directory: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
