@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from dflash_batch.engine.engine import Engine  # noqa: E402
 from dflash_batch.engine.request import Request, SamplingParams  # noqa: E402
-from dflash_batch.models.dflash import draft_value  # noqa: E402
+from dflash_batch.engine.build import attach_drafter  # noqa: E402
 from dflash_batch.models.loader import load_model  # noqa: E402
 from dflash_batch.plan.buckets import Bucket  # noqa: E402
 from dflash_batch.plan.tokenize import Tokenizer, stop_token_ids  # noqa: E402
@@ -39,8 +39,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     target = load_model(args.models / "target")
     drafter = load_model(args.models / "drafter")
-    drafter.bind_target(target.embed_tokens, target.lm_head)
-    target.set_taps(drafter.target_layer_ids, draft_value(drafter.config, "aux_hidden_stream"))
+    attach_drafter(target, drafter)
     tok = Tokenizer(args.models / "target")
     eos = tuple(stop_token_ids(args.models / "target", tok))
     rows = [json.loads(line) for line in (ROOT / "jobs/demo/prompts.jsonl").read_text().splitlines()]

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from dflash_batch.engine.engine import Engine
 from dflash_batch.engine.request import Request, SamplingParams
-from dflash_batch.models.dflash import draft_value
+from dflash_batch.engine.build import attach_drafter
 from dflash_batch.models.loader import load_model
 from dflash_batch.plan.buckets import Bucket
 
@@ -24,8 +24,7 @@ def generate(target_dir: str, drafter_dir: str, prompts: list[list[int]], sampli
     """Speculative decoding of every prompt (seed 1000 + index): tokens and accepted drafts per round.
     The target taps the drafter's layers on the drafter's aux_hidden_stream, as build_engine does."""
     target, drafter = load_model(target_dir), load_model(drafter_dir)
-    drafter.bind_target(target.embed_tokens, target.lm_head)
-    target.set_taps(drafter.target_layer_ids, draft_value(drafter.config, "aux_hidden_stream"))
+    attach_drafter(target, drafter)
     reqs = [Request((str(i), 0), p, SamplingParams(seed=1000 + i, **sampling)) for i, p in enumerate(prompts)]
     bucket = Bucket(0, "0-1024", 1024, 16, True, None)
     done = {c.key: c for c in Engine(target, drafter).generate(reqs, bucket)}
@@ -45,3 +44,19 @@ def run(rank: int, world_size: int, port: int, target_dir: str, drafter_dir: str
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def assert_tp2_equals_tp1(target_dir: str, drafter_dir: str, prompts: list[list[int]], runs: dict[str, dict],
+                          out_dir: str, port: int) -> None:
+    """Decode in this process, then on two gloo ranks: both ranks must give the same tokens and
+    accepted drafts per round, for every sampling setting in `runs`."""
+    import torch.multiprocessing as mp
+
+    args = (target_dir, drafter_dir, prompts, runs)
+    expected = {name: generate(*args[:3], s) for name, s in runs.items()}
+    assert any(n for r in expected["greedy"] for n in r["per_round"]), "no draft accepted"
+    mp.spawn(run, args=(2, port, *args, out_dir), nprocs=2)
+    for rank in range(2):
+        got = torch.load(Path(out_dir) / f"rank{rank}.pt")
+        for name in runs:
+            assert got[name] == expected[name], f"rank {rank}, {name}"

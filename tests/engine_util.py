@@ -11,6 +11,7 @@ from transformers import Qwen3Config
 from dflash.model import DFlash2DraftModel, DFlashDraftModel
 from dflash_batch.engine.engine import Engine
 from dflash_batch.engine.request import Completion, Request, SamplingParams
+from dflash_batch.engine.build import attach_drafter
 from dflash_batch.models.loader import load_model
 from dflash_batch.plan.buckets import Bucket
 from tests.tiny_models import make_qwen3_checkpoint, randomize_
@@ -70,8 +71,7 @@ def load_pair(target_dir: Path, drafter_dir: Path | None):
     drafter = None
     if drafter_dir is not None:
         drafter = load_model(drafter_dir)
-        drafter.bind_target(target.embed_tokens, target.lm_head)
-        target.set_taps(drafter.target_layer_ids)
+        attach_drafter(target, drafter)
     return target, drafter
 
 

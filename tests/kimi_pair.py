@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash_batch.models.dflash import draft_value
+from dflash_batch.engine.build import attach_drafter
 from dflash_batch.models.loader import load_model
 from tests.mla_drafter import (
     CONV_GROUP, CONV_TAPS, DN, DR, DV, HIDDEN, INTER, KL, LAYERS, QL, RANK, YARN, H, mla_drafter_tensors,
@@ -93,6 +93,5 @@ def load_pair(target_dir: str | Path, drafter_dir: str | Path):
     """(target, drafter) paired as build_engine pairs them: the drafter borrows the target's
     embedding and head, and the target taps the drafter's layers on the drafter's stream."""
     target, drafter = load_model(target_dir), load_model(drafter_dir)
-    drafter.bind_target(target.embed_tokens, target.lm_head)
-    target.set_taps(drafter.target_layer_ids, draft_value(drafter.config, "aux_hidden_stream"))
+    attach_drafter(target, drafter)
     return target, drafter

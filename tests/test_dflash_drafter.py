@@ -8,7 +8,6 @@ forward over the block rows.
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,7 @@ from dflash.model import build_target_layer_ids as reference_layer_ids
 from dflash_batch.models.dflash import DFlash2Drafter, build_target_layer_ids
 from dflash_batch.models.loader import load_model
 from tests import drafter_util
+from tests.test_tp import free_port
 from tests.drafter_util import (
     HIDDEN, MASK, NUM_PAGES, PAGE, TAPS, VOCAB, block_ids, load_drafter, meta_for, scattered_tables,
 )
@@ -139,12 +139,6 @@ def test_batch_equals_each_alone(tmp_path, version):
         assert proposals[b].tolist() == reference_proposal(ref, head, want, anchors[b]).tolist()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_tensor_parallel_matches_single(tmp_path):
     checkpoints = [str(tmp_path / f"v{v}") for v in (1, 2)]
     for version, path in zip((1, 2), checkpoints):
@@ -152,7 +146,7 @@ def test_tensor_parallel_matches_single(tmp_path):
     embed, head = target_io()
     weights = (embed.weight.data, head.weight.data)
     single = [drafter_util.two_rounds(Path(c), *weights) for c in checkpoints]
-    mp.spawn(drafter_util.run, args=(2, _free_port(), checkpoints, *weights, str(tmp_path)), nprocs=2)
+    mp.spawn(drafter_util.run, args=(2, free_port(), checkpoints, *weights, str(tmp_path)), nprocs=2)
     for rank in range(2):
         for got, want in zip(torch.load(tmp_path / f"rank{rank}.pt"), single):
             for a, b in zip(got["hidden"], want["hidden"]):

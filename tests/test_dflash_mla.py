@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 from pathlib import Path
 
 import pytest
@@ -28,6 +27,7 @@ from dflash_batch.models.layers.rope import (
 )
 from dflash_batch.models.loader import load_model
 from tests import drafter_util
+from tests.test_tp import free_port
 from tests.mla_drafter import (
     CONV_GROUP, CONV_TAPS, DN, DR, DV, INTER, KL, LAYERS, QL, RANK, YARN, H, mla_drafter_tensors,
 )
@@ -261,17 +261,11 @@ def test_interleaved_rotation_by_hand():
                 assert got[t, h, 2 * i + 1].item() == pytest.approx(1.5 * (b * cos + a * sin), abs=1e-5)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_tensor_parallel_matches_single(tmp_path):
     path = save_checkpoint(tmp_path / "mla", mla_config(YARN_UNEVEN), mla_tensors())
     weights = target_weights()
     single = drafter_util.two_rounds(path, *weights)
-    mp.spawn(drafter_util.run, args=(2, _free_port(), [str(path)], *weights, str(tmp_path)), nprocs=2)
+    mp.spawn(drafter_util.run, args=(2, free_port(), [str(path)], *weights, str(tmp_path)), nprocs=2)
     for rank in range(2):
         (got,) = torch.load(tmp_path / f"rank{rank}.pt")
         for a, b in zip(got["hidden"], single["hidden"]):

@@ -3,9 +3,6 @@ accepted drafts in every round, greedy and sampled."""
 
 from __future__ import annotations
 
-import torch
-import torch.multiprocessing as mp
-
 from tests import engine_tp_worker
 from tests.engine_util import make_drafter, make_target, random_prompts
 from tests.test_tp import free_port
@@ -22,12 +19,4 @@ def test_tp2_engine_matches_tp1(tmp_path):
     target, drafter = make_target(tmp_path / "target"), tmp_path / "drafter"
     make_drafter(drafter, 2, block_size=8)
     prompts = random_prompts([1, 37, 120, 300], seed=6)
-    args = (str(target), str(drafter), prompts, RUNS)
-    expected = {name: engine_tp_worker.generate(*args[:3], s) for name, s in RUNS.items()}
-    assert any(n for r in expected["greedy"] for n in r["per_round"]), "no draft accepted"
-
-    mp.spawn(engine_tp_worker.run, args=(2, free_port(), *args, str(tmp_path)), nprocs=2)
-    for rank in range(2):
-        got = torch.load(tmp_path / f"rank{rank}.pt")
-        for name in RUNS:
-            assert got[name] == expected[name], f"rank {rank}, {name}"
+    engine_tp_worker.assert_tp2_equals_tp1(str(target), str(drafter), prompts, RUNS, str(tmp_path), free_port())

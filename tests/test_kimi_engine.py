@@ -9,8 +9,6 @@ import json
 from types import SimpleNamespace
 
 import pytest
-import torch
-import torch.multiprocessing as mp
 
 from dflash_batch.engine.build import build_engine, check_pair
 from dflash_batch.engine.engine import Engine
@@ -90,15 +88,7 @@ def test_tp2_equals_tp1(pairs, tmp_path):
     prompts = random_prompts([1, 37, 20], vocab=VOCAB, seed=6)
     runs = {"greedy": dict(max_new_tokens=24),
             "sampled": dict(max_new_tokens=24, temperature=1.0, top_p=0.95)}
-    args = (str(target), str(drafter), prompts, runs)
-    expected = {name: engine_tp_worker.generate(*args[:3], s) for name, s in runs.items()}
-    assert any(n for r in expected["greedy"] for n in r["per_round"]), "no draft accepted"
-
-    mp.spawn(engine_tp_worker.run, args=(2, free_port(), *args, str(tmp_path)), nprocs=2)
-    for rank in range(2):
-        got = torch.load(tmp_path / f"rank{rank}.pt")
-        for name in runs:
-            assert got[name] == expected[name], f"rank {rank}, {name}"
+    engine_tp_worker.assert_tp2_equals_tp1(str(target), str(drafter), prompts, runs, str(tmp_path), free_port())
 
 
 # -- pairing ---------------------------------------------------------------------------------------

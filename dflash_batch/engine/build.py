@@ -41,6 +41,17 @@ def check_pair(target, drafter) -> None:
         raise JobError("the drafter does not fit the target: " + "; ".join(problems))
 
 
+def attach_drafter(target, drafter) -> None:
+    """Pair a loaded drafter with its target: check they fit, lend the drafter the target's
+    embedding and head, and make the target tap the drafter's layers on the drafter's stream."""
+    check_pair(target, drafter)
+    drafter.bind_target(target.embed_tokens, target.lm_head)
+    try:
+        target.set_taps(drafter.target_layer_ids, draft_value(drafter.config, "aux_hidden_stream"))
+    except ValueError as e:
+        raise JobError(str(e)) from None
+
+
 def build_engine(job: Job, tokenizer: Tokenizer) -> Engine:
     """Load the job's target (and drafter), check they fit, and build the engine."""
     device = "cuda" if torch.cuda.is_available() and job.engine.backend != "torch" else "cpu"
@@ -49,11 +60,9 @@ def build_engine(job: Job, tokenizer: Tokenizer) -> Engine:
     drafter = None
     if job.model.drafter:
         drafter = _load(job.model.drafter, dtype, device, "drafter")
-        check_pair(target, drafter)
-        drafter.bind_target(target.embed_tokens, target.lm_head)
         try:
-            target.set_taps(drafter.target_layer_ids, draft_value(drafter.config, "aux_hidden_stream"))
-        except ValueError as e:
+            attach_drafter(target, drafter)
+        except JobError as e:
             raise JobError(f"model.drafter {job.model.drafter}: {e}") from None
         if parallel.rank() == 0:
             print(f"taps: layers={tuple(target.tap_ids)} stream={target.tap_stream}", file=sys.stderr)

@@ -279,9 +279,8 @@ class KimiK3ForConditionalGeneration(nn.Module):
     def __init__(self, config: dict):
         super().__init__()
         text = config.get("text_config", config)
-        for key in ("quantization_config",):
-            if key in config and key not in text:
-                text = {**text, key: config[key]}
+        if "quantization_config" in config and "quantization_config" not in text:
+            text = {**text, "quantization_config": config["quantization_config"]}  # as TokenSpeed propagates it
         if text.get("hidden_act", "situ") != "situ":
             raise NotImplementedError(f"hidden_act={text['hidden_act']!r} is not supported for Kimi-K3")
         self.config = text

@@ -20,7 +20,7 @@ import torch
 
 from dflash_batch.engine.engine import Engine
 from dflash_batch.engine.request import Request, SamplingParams
-from dflash_batch.models.dflash import draft_value
+from dflash_batch.engine.build import attach_drafter
 from dflash_batch.models.loader import load_model
 from dflash_batch.plan.buckets import Bucket
 from dflash_batch.plan.tokenize import Tokenizer, stop_token_ids
@@ -32,8 +32,7 @@ EVAL_SEED = 10 ** 9  # far from the training streams' seeds
 def load_pair(models: str | Path):
     models = Path(models)
     target, drafter = load_model(models / "target"), load_model(models / "drafter")
-    drafter.bind_target(target.embed_tokens, target.lm_head)
-    target.set_taps(drafter.target_layer_ids, draft_value(drafter.config, "aux_hidden_stream"))
+    attach_drafter(target, drafter)
     return target, drafter
 
 
