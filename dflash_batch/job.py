@@ -44,6 +44,8 @@ class InputSpec(_Strict):
     batch_rows: int = Field(4096, ge=1, description="Rows read and tokenised per batch.")
     window_rows: int = Field(16384, ge=1, description="Rows grouped into length buckets at a time "
                              "(bounds memory on huge inputs).")
+    workers: int = Field(2, ge=0, le=64, description="Processes that read, template and tokenise rows "
+                         "ahead of the engine; 0: a thread of the main process.")
 
     @model_validator(mode="after")
     def _one_prompt_column(self) -> InputSpec:
@@ -171,10 +173,12 @@ class Job(_Strict):
         return self.buckets or [BucketSpec(max_tokens=self.engine.max_model_len)]
 
     def output_hash(self) -> str:
-        """Hash of everything that decides the outputs. Engine tuning (batch sizes, backend, graph
-        sizes), the output location and part sizes are left out: they may change between resumes."""
+        """Hash of everything that decides the outputs. Engine and input tuning (batch sizes,
+        backend, graph sizes, workers), the output location and part sizes are left out: they may
+        change between resumes."""
         doc = self.model_dump(mode="json", exclude={"engine": {"max_num_seqs", "max_num_batched_tokens",
                                                                "backend", "cudagraph_capture_sizes"},
+                                                    "input": {"batch_rows", "window_rows", "workers"},
                                                     "output": {"dir", "rows_per_part", "flush_seconds"},
                                                     "sharding": True, "name": True})
         for b in doc["buckets"]:

@@ -1,7 +1,8 @@
 """One job, one shard, from input files to committed Parquet parts.
 
     records (io.inputs) -> this shard's rows, minus those already committed (plan.shards, io.ledger)
-    -> tokens + bucket (plan.rows) -> engine, bucket by bucket (engine.request.Engine)
+    -> tokens + bucket (plan.rows), both in worker processes (plan.ahead)
+    -> engine, bucket by bucket (engine.request.Engine)
     -> output rows -> Parquet parts (io.outputs) -> shard stats (io.ledger)
 
 Input is processed in windows of `input.window_rows` rows so memory stays flat in the input size;
@@ -10,11 +11,10 @@ inside a window every bucket is drained in turn so each batch holds similar leng
 
 from __future__ import annotations
 
-import queue
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,13 +22,14 @@ from tqdm import tqdm
 
 from dflash_batch import __version__, parallel
 from dflash_batch.engine.request import Completion, Engine, Request, SamplingParams
-from dflash_batch.io.inputs import Record, check_inputs, read_records
+from dflash_batch.io.inputs import check_inputs
 from dflash_batch.io.ledger import committed_keys, lock_run, shard_dir, write_shard_stats
 from dflash_batch.io.outputs import RESERVED, PartWriter
 from dflash_batch.job import Job, JobError, SamplingSpec
 from dflash_batch.plan.buckets import Bucket, plan_buckets
-from dflash_batch.plan.rows import PreparedRow, RowPreparer, sample_seed
-from dflash_batch.plan.shards import Shard, shard_of
+from dflash_batch.plan.ahead import fewer_gc_passes, prepare_ahead
+from dflash_batch.plan.rows import PreparedRow, sample_seed
+from dflash_batch.plan.shards import Shard
 from dflash_batch.plan.tokenize import Tokenizer, stop_token_ids
 
 EngineFactory = Callable[[Job, Tokenizer], Engine]
@@ -103,7 +104,7 @@ class _Run:
 
     def _requests(self, row: PreparedRow) -> list[Request]:
         s = row.sampling
-        base = self.default_params if s is self.job.sampling else self._params(s)
+        base = self._params(s) if row.overrides else self.default_params
         reqs = []
         for i in range(s.n):
             if (row.row_id, i) in self.done:
@@ -156,17 +157,6 @@ class _Run:
             raise RuntimeError(f"engine returned no result for {len(by_key)} request(s), e.g. "
                                f"{next(iter(by_key))}")
 
-    def _wanted(self, preparer: RowPreparer, rec: Record) -> bool:
-        """This shard's row, with at least one sample not yet committed."""
-        row_id, _ = preparer.row_id(rec)
-        return (shard_of(row_id, self.shard.count) == self.shard.index
-                and not all((row_id, i) in self.done for i in range(self.job.sampling.n)))
-
-    def _prepared_batches(self) -> Iterator[list[PreparedRow]]:
-        preparer = RowPreparer(self.job, self.tok, getattr(self.engine, "vocab_size", None))
-        for batch in read_records(self.job.input):
-            yield preparer.prepare([rec for rec in batch if self._wanted(preparer, rec)])
-
     def _run_window(self, rows: list[PreparedRow]) -> None:
         by_bucket: dict[int, list[PreparedRow]] = {}
         for row in rows:
@@ -181,51 +171,23 @@ class _Run:
 
     def run(self) -> int:
         window: list[PreparedRow] = []
-        # Reading and tokenising run one batch ahead in a thread: the tokenizer releases the GIL,
-        # and on a GPU run the next window is ready when the engine finishes this one.
-        for rows in _prefetch(self._prepared_batches()):
-            window += rows
-            if len(window) >= self.job.input.window_rows:
-                self._run_window(window)
-                window = []
+        # Rows are prepared ahead in other processes: on a GPU run the next window is ready when
+        # the engine finishes this one.
+        batches = prepare_ahead(self.job, self.tok, self.shard, self.done,
+                                getattr(self.engine, "vocab_size", None))
+        try:
+            for rows in batches:
+                window += rows
+                if len(window) >= self.job.input.window_rows:
+                    self._run_window(window)
+                    window = []
+        finally:
+            batches.close()
         self._run_window(window)
         if self.writer is None:
             return 0
         self.writer.flush()
         return self.writer.committed_rows
-
-
-_DONE = object()
-
-
-def _prefetch(items: Iterator, depth: int = 2) -> Iterator:
-    """Iterate `items` in a background thread, `depth` items ahead; its errors re-raise here."""
-    q: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()  # set when the consumer goes away, so the thread does not block
-
-    def produce() -> None:
-        try:
-            for item in items:
-                while not stop.is_set():
-                    try:
-                        q.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
-                    return
-            q.put(_DONE)
-        except BaseException as e:  # handed to the consumer, which re-raises it
-            q.put(e)
-
-    threading.Thread(target=produce, daemon=True, name="dflash-prefetch").start()
-    try:
-        while (item := q.get()) is not _DONE:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
 
 
 def run_job(job: Job, engine_factory: EngineFactory, shard: Shard, progress: bool = True) -> RunResult:
@@ -248,7 +210,8 @@ def run_job(job: Job, engine_factory: EngineFactory, shard: Shard, progress: boo
     on_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, lambda *_: run.stop.set()) if on_main else None
     try:
-        written = run.run()
+        with fewer_gc_passes():
+            written = run.run()
     finally:
         if on_main:
             signal.signal(signal.SIGTERM, previous)

@@ -80,6 +80,7 @@ BAD = [
      "unknown sampling field"),
     ("empty stop string", with_("sampling.stop", [""]), "stop strings must be non-empty"),
     ("bad version", with_("version", 2), "version"),
+    ("negative workers", with_("input.workers", -1), "input.workers"),
 ]
 
 
@@ -107,6 +108,7 @@ def test_config_hash_ignores_tuning_but_not_sampling():
     base = parse_job(GOOD)
     assert parse_job(with_("engine.max_num_seqs", 7)).output_hash() == base.output_hash()
     assert parse_job(with_("output.dir", "elsewhere")).output_hash() == base.output_hash()
+    assert parse_job(with_("input.workers", 5)).output_hash() == base.output_hash()
     assert parse_job(with_("sampling.temperature", 0.5)).output_hash() != base.output_hash()
     assert parse_job(with_("model.drafter", "d")).output_hash() != base.output_hash()
 

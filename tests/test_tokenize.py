@@ -8,8 +8,8 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from dflash_batch.plan.tokenize import Tokenizer, stop_token_ids
-from tests.tiny_tokenizer import CHAT_TEMPLATE
+from dflash_batch.plan.tokenize import KIMI_PATTERN, Tokenizer, stop_token_ids
+from tests.tiny_tokenizer import CHAT_TEMPLATE, make_tiktoken_dir
 
 # A template in the style of real ones: system handling, tojson, loop controls, raise_exception,
 # a kwarg switch, and no BOS of its own.
@@ -101,3 +101,19 @@ def test_tiktoken_kimi_style_tokenizer(tmp_path):
     chat = tok.render_chat([{"role": "user", "content": "hello"}], {})
     (cids,) = tok.encode_batch([chat], add_special_tokens=False)
     assert cids == [266, 262, 265]  # specials inside the rendered text become their ids
+
+
+def test_tiktoken_batches_match_tiktokens_own_batch_encoder(tmp_path):
+    import tiktoken
+    from tiktoken.load import load_tiktoken_bpe
+
+    d = make_tiktoken_dir(tmp_path / "kimi", vocab_size=600)
+    tok = Tokenizer(d)
+    texts = ["<|bos|><|im_start|>user\nhello<|im_end|>", "The quick brown fox. 東京 12345 don't",
+             "  spaces\n\n\tand tabs  ", "🙂" * 5, "", "Alice has 3 apples" * 40]
+    specials = {v["content"]: int(k) for k, v in
+                json.loads((d / "tokenizer_config.json").read_text())["added_tokens_decoder"].items()}
+    enc = tiktoken.Encoding("kimi", pat_str=KIMI_PATTERN, special_tokens=specials,
+                            mergeable_ranks=load_tiktoken_bpe(str(d / "tiktoken.model")))
+    assert tok.encode_batch(texts, add_special_tokens=False) == enc.encode_batch(texts, allowed_special="all")
+    assert [tok.decode(x) for x in tok.encode_batch(texts, add_special_tokens=False)][1:] == texts[1:]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 import json
+import shutil
 import sysconfig
 from pathlib import Path
 
@@ -56,4 +58,30 @@ def make_tokenizer_dir(d: Path, vocab_size: int = 400, corpus: list[str] | None 
         "bos_token": "<|bos|>", "eos_token": "<|im_end|>", "pad_token": "<|pad|>",
         "chat_template": CHAT_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": 131072}))
+    return d
+
+
+def _byte_of_char() -> dict[str, int]:
+    """Inverse of the byte-level alphabet: printable bytes stand for themselves, the others
+    for code points from 256 up (GPT-2's mapping)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    moved = [b for b in range(256) if b not in kept]
+    return {**{chr(b): b for b in kept}, **{chr(256 + i): b for i, b in enumerate(moved)}}
+
+
+def make_tiktoken_dir(d: Path, vocab_size: int = 400, corpus: list[str] | None = None) -> Path:
+    """The same trained BPE in Kimi's layout: tiktoken.model (base64 token, rank) plus
+    tokenizer_config.json with the specials in added_tokens_decoder."""
+    hf = make_tokenizer_dir(d / "hf", vocab_size, corpus)
+    spec = json.loads((hf / "tokenizer.json").read_text())
+    config = json.loads((hf / "tokenizer_config.json").read_text())
+    shutil.rmtree(hf)
+    byte_of = _byte_of_char()
+    specials = [t["content"] for t in spec["added_tokens"]]
+    merged = sorted((i, t) for t, i in spec["model"]["vocab"].items() if t not in specials and len(t) > 1)
+    ranks = [bytes([b]) for b in range(256)] + [bytes(byte_of[ch] for ch in t) for _, t in merged]
+    (d / "tiktoken.model").write_text("".join(f"{base64.b64encode(t).decode()} {i}\n" for i, t in enumerate(ranks)))
+    config["added_tokens_decoder"] = {str(len(ranks) + i): {"content": t, "special": True}
+                                      for i, t in enumerate(specials)}
+    (d / "tokenizer_config.json").write_text(json.dumps(config))
     return d

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import glob
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
+from itertools import chain
 from pathlib import Path
 
 import orjson
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_batch.job import InputSpec, JobError
@@ -78,47 +81,60 @@ def _require_columns(path: Path, names: list[str], columns: list[str]) -> None:
         raise JobError(f"{path}: column(s) {missing} not found; the file has {names}")
 
 
-def _read_jsonl(path: Path, source: str, batch_rows: int) -> Iterator[list[Record]]:
-    batch: list[Record] = []
-    with open(path, "rb") as f:
-        for index, line in enumerate(f):
-            if not line.strip():
-                continue
-            try:
-                data = orjson.loads(line)
-                rec = (Record(source, index, data) if isinstance(data, dict) else
+def _jsonl_records(source: str, lines: list[tuple[int, bytes]]) -> list[Record]:
+    out = []
+    for index, line in lines:
+        try:
+            data = orjson.loads(line)
+            out.append(Record(source, index, data) if isinstance(data, dict) else
                        Record(source, index, None, f"line {index + 1} is JSON {type(data).__name__}, "
                               "not an object"))
-            except orjson.JSONDecodeError as e:
-                rec = Record(source, index, None, f"line {index + 1} is not valid JSON: {e}")
-            batch.append(rec)
-            if len(batch) >= batch_rows:
-                yield batch
-                batch = []
+        except orjson.JSONDecodeError as e:
+            out.append(Record(source, index, None, f"line {index + 1} is not valid JSON: {e}"))
+    return out
+
+
+def _jsonl_batches(path: Path, source: str, batch_rows: int) -> Iterator[Callable[[], list[Record]]]:
+    batch: list[tuple[int, bytes]] = []
+    with open(path, "rb") as f:
+        for index, line in enumerate(f):
+            if line.strip():
+                batch.append((index, line))
+                if len(batch) >= batch_rows:
+                    yield partial(_jsonl_records, source, batch)
+                    batch = []
     if batch:
-        yield batch
+        yield partial(_jsonl_records, source, batch)
 
 
-def _read_parquet(path: Path, source: str, columns: list[str], batch_rows: int) -> Iterator[list[Record]]:
+def _parquet_records(source: str, start: int, rb: pa.RecordBatch) -> list[Record]:
+    return [Record(source, start + i, row) for i, row in enumerate(rb.to_pylist())]
+
+
+def _parquet_batches(path: Path, source: str, columns: list[str],
+                     batch_rows: int) -> Iterator[Callable[[], list[Record]]]:
     pf = pq.ParquetFile(path)
     _require_columns(path, pf.schema_arrow.names, columns)
-    index = 0
+    start = 0
     for rb in pf.iter_batches(batch_size=batch_rows, columns=columns):
-        rows = rb.to_pylist()
-        yield [Record(source, index + i, row) for i, row in enumerate(rows)]
-        index += len(rows)
+        yield partial(_parquet_records, source, start, rb)
+        start += rb.num_rows
 
 
-def read_records(spec: InputSpec) -> Iterator[list[Record]]:
-    """All input records, batch by batch, file after file."""
+def read_records(spec: InputSpec, part: tuple[int, int] = (0, 1)) -> Iterator[list[Record]]:
+    """Input records, batch by batch, file after file. With part=(k, count) only batches
+    k, k + count, k + 2 * count, ... are parsed and returned (one worker's share)."""
     files = expand_paths(spec.paths, spec.format)
     names = _source_names([f for f, _ in files])
     columns = needed_columns(spec)
-    for (path, kind), source in zip(files, names):
-        if kind == "parquet":
-            yield from _read_parquet(path, source, columns, spec.batch_rows)
-        else:
-            yield from _read_jsonl(path, source, spec.batch_rows)
+    k, count = part
+    batches = chain.from_iterable(
+        _parquet_batches(path, source, columns, spec.batch_rows) if kind == "parquet"
+        else _jsonl_batches(path, source, spec.batch_rows)
+        for (path, kind), source in zip(files, names))
+    for i, records in enumerate(batches):
+        if i % count == k:  # the others are read but never parsed
+            yield records()
 
 
 def check_inputs(spec: InputSpec) -> None:

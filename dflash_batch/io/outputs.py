@@ -78,8 +78,8 @@ def rows_to_table(rows: list[dict], passthrough: list[str], optional: list[str],
         arrays.append(pa.array([r.get(name) for r in rows], typ))
         fields.append(pa.field(name, typ, nullable))
         if i == 1:  # passthrough columns sit right after the key
-            for col in passthrough:
-                arr = _passthrough_array([r["passthrough"].get(col) for r in rows])
+            for j, col in enumerate(passthrough):
+                arr = _passthrough_array([r["passthrough"][j] for r in rows])
                 arrays.append(arr)
                 fields.append(pa.field(col, arr.type))
     for name in optional:

@@ -6,7 +6,8 @@ prompt, a bad per-row override) becomes an error row here; the job goes on.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Container
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
@@ -14,14 +15,14 @@ from pydantic import ValidationError
 from dflash_batch.io.inputs import Record
 from dflash_batch.job import Job, SamplingSpec
 from dflash_batch.plan.buckets import assign_bucket
-from dflash_batch.plan.shards import hash64
+from dflash_batch.plan.shards import Shard, hash64, shard_of
 from dflash_batch.plan.tokenize import Tokenizer
 
 
 @dataclass(slots=True)
 class PreparedRow:
     row_id: str
-    passthrough: dict[str, Any]
+    passthrough: tuple[Any, ...]      # input.passthrough_columns' values, in that order
     sampling: SamplingSpec
     prompt_ids: list[int] | None = None
     prompt_text: str | None = None
@@ -29,10 +30,16 @@ class PreparedRow:
     prompt_truncated: bool = False
     error_type: str | None = None
     error: str | None = None
-    overrides: dict[str, Any] = field(default_factory=dict)
+    overrides: dict[str, Any] | None = None  # per-row sampling overrides, if any
 
     def fail(self, kind: str, message: str) -> None:
         self.error_type, self.error, self.prompt_ids = kind, message, None
+
+    def __reduce__(self) -> tuple:
+        # Rows cross from the preparing workers by pickle; rebuilding from positional fields
+        # unpickles several times faster than the default slots state.
+        return PreparedRow, (self.row_id, self.passthrough, self.sampling, self.prompt_ids, self.prompt_text,
+                             self.bucket, self.prompt_truncated, self.error_type, self.error, self.overrides)
 
 
 def fallback_row_id(source: str, index: int) -> str:
@@ -44,12 +51,21 @@ def sample_seed(job_seed: int, row_id: str, sample_index: int) -> int:
 
 
 class RowPreparer:
-    """Turns batches of records into prepared rows for one job."""
+    """Turns batches of records into the prepared rows of one shard of one job, leaving out
+    rows whose samples are all committed."""
 
-    def __init__(self, job: Job, tokenizer: Tokenizer, vocab_size: int | None = None):
+    def __init__(self, job: Job, tokenizer: Tokenizer, vocab_size: int | None = None,
+                 shard: Shard = Shard(0, 1), done: Container[tuple[str, int]] = frozenset()):
         self.job, self.spec, self.tok, self.vocab_size = job, job.input, tokenizer, vocab_size
+        self.shard, self.done = shard, done
         self.edges = [b.max_tokens for b in job.resolved_buckets()]
         self.base_sampling = job.sampling.model_dump()
+        self.keep_text = job.output.include_prompt
+
+    def _wanted(self, row_id: str) -> bool:
+        """This shard's row, with at least one sample not yet committed."""
+        return ((self.shard.count == 1 or shard_of(row_id, self.shard.count) == self.shard.index)
+                and not all((row_id, i) in self.done for i in range(self.job.sampling.n)))
 
     def row_id(self, rec: Record) -> tuple[str, str | None]:
         col = self.spec.id_column
@@ -141,8 +157,10 @@ class RowPreparer:
         passthrough = self.spec.passthrough_columns
         for rec in records:
             row_id, id_problem = self.row_id(rec)
+            if not self._wanted(row_id):
+                continue
             data = rec.data or {}
-            row = PreparedRow(row_id, {c: data.get(c) for c in passthrough}, self.job.sampling)
+            row = PreparedRow(row_id, tuple(map(data.get, passthrough)), self.job.sampling)
             rows.append(row)
             if rec.error:
                 row.fail("bad_input_line", f"{rec.source}: {rec.error}")
@@ -166,6 +184,8 @@ class RowPreparer:
             if group:
                 for row, ids in zip(group, self.tok.encode_batch([r.prompt_text for r in group], special)):
                     row.prompt_ids = ids
+                    if not self.keep_text:
+                        row.prompt_text = None
         for row in rows:
             if row.prompt_ids is not None:
                 self._fit(row)

@@ -1,0 +1,106 @@
+"""Rows prepared in worker processes: the same rows as one process, errors reach the runner,
+and no worker outlives a killed runner."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dflash_batch.io.inputs import read_records
+from dflash_batch.job import JobError
+from dflash_batch.plan.ahead import prepare_ahead
+from dflash_batch.plan.shards import Shard
+from dflash_batch.plan.tokenize import Tokenizer
+from dflash_batch.runner import run_job
+from tests.fake_engine import fake_factory
+from tests.jobs_util import base_job, read_out, write_job, write_jsonl
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _inputs(tmp_path: Path) -> list[str]:
+    rows = [{"id": f"a{i}", "prompt": f"row {i} " + "fox " * (i % 7), "topic": i % 3,
+             "temp": 0.5 if i % 5 == 0 else None} for i in range(37)]
+    rows[4] = {"id": "a4", "prompt": ""}                       # error row: empty prompt
+    write_jsonl(tmp_path / "a.jsonl", [*rows[:20], b"{not json", *rows[20:]])
+    pq.write_table(pa.table({"id": [f"b{i}" for i in range(23)], "prompt": [f"parquet {i}" for i in range(23)],
+                             "topic": [i % 3 for i in range(23)], "temp": [None] * 23}), tmp_path / "b.parquet")
+    return ["a.jsonl", "b.parquet"]
+
+
+def _run(tmp_path: Path, model_dir: Path, workers: int) -> dict:
+    doc = base_job(model_dir, _inputs(tmp_path),
+                   input={"batch_rows": 4, "window_rows": 9, "workers": workers, "passthrough_columns": ["topic"],
+                          "sampling_columns": {"temperature": "temp"}},
+                   sampling={"n": 2, "max_new_tokens": 8}, output={"dir": f"out-{workers}"})
+    run_job(write_job(tmp_path, doc, f"w{workers}.yaml"), fake_factory(), Shard(1, 2), progress=False)
+    rows = read_out(tmp_path / f"out-{workers}")
+    return {(r["row_id"], r["sample_index"]): {k: v for k, v in r.items() if k not in ("ttft_s", "latency_s")}
+            for r in rows}
+
+
+def test_workers_write_the_rows_of_one_process(tmp_path, model_dir):
+    one = _run(tmp_path, model_dir, 0)
+    assert len(one) > 20 and any(r["status"] == "error" for r in one.values())
+    assert _run(tmp_path, model_dir, 1) == one
+    assert _run(tmp_path, model_dir, 3) == one
+
+
+def test_worker_parts_cover_every_batch_once(tmp_path, model_dir):
+    job = write_job(tmp_path, base_job(model_dir, _inputs(tmp_path), input={"batch_rows": 4}))
+    whole = [[(r.source, r.index) for r in b] for b in read_records(job.input)]
+    parts = [[[(r.source, r.index) for r in b] for b in read_records(job.input, (k, 3))] for k in range(3)]
+    assert [parts[i % 3][i // 3] for i in range(len(whole))] == whole
+
+
+def test_a_worker_error_reaches_the_runner(tmp_path, model_dir):
+    job = write_job(tmp_path, base_job(model_dir, ["gone.jsonl"], input={"workers": 2}))
+    with pytest.raises(JobError, match="gone.jsonl"):
+        list(prepare_ahead(job, Tokenizer(model_dir), Shard(0, 1), frozenset(), None))
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_no_worker_outlives_its_runner(tmp_path, model_dir, sig):
+    # Enough rows that the workers are still busy (blocked on a full pipe) when the runner dies.
+    write_jsonl(tmp_path / "p.jsonl", [{"id": f"r{i}", "prompt": f"prompt {i}"} for i in range(20000)])
+    doc = base_job(model_dir, ["p.jsonl"], input={"batch_rows": 50, "workers": 2})
+    write_job(tmp_path, doc)
+    proc = subprocess.Popen([sys.executable, "-m", "tests.run_fake_job", str(tmp_path / "job.yaml"), "0.01"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not read_out(tmp_path / "out") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    workers = _children(proc.pid)
+    assert len(workers) == 2, "the runner should have two workers"
+    os.kill(proc.pid, sig)
+    proc.wait(timeout=60)
+    deadline = time.monotonic() + 20
+    while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(w) for w in workers)
