@@ -54,6 +54,14 @@ def test_workers_write_the_rows_of_one_process(tmp_path, model_dir):
     assert _run(tmp_path, model_dir, 3) == one
 
 
+def test_an_input_with_fewer_batches_than_workers(tmp_path, model_dir):
+    (tmp_path / "blank.jsonl").write_text("\n\n")
+    write_jsonl(tmp_path / "one.jsonl", [{"id": "x", "prompt": "only row"}])
+    for name, rows in (("blank.jsonl", 0), ("one.jsonl", 1)):
+        job = write_job(tmp_path, base_job(model_dir, [name], input={"workers": 3}, output={"dir": f"out-{name}"}))
+        assert run_job(job, fake_factory(), Shard(0, 1), progress=False).rows_written == rows
+
+
 def test_worker_parts_cover_every_batch_once(tmp_path, model_dir):
     job = write_job(tmp_path, base_job(model_dir, _inputs(tmp_path), input={"batch_rows": 4}))
     whole = [[(r.source, r.index) for r in b] for b in read_records(job.input)]
