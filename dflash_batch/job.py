@@ -173,17 +173,28 @@ class Job(_Strict):
         return self.buckets or [BucketSpec(max_tokens=self.engine.max_model_len)]
 
     def output_hash(self) -> str:
-        """Hash of everything that decides the outputs. Engine and input tuning (batch sizes,
-        backend, graph sizes, workers), the output location and part sizes are left out: they may
-        change between resumes."""
-        doc = self.model_dump(mode="json", exclude={"engine": {"max_num_seqs", "max_num_batched_tokens",
-                                                               "backend", "cudagraph_capture_sizes"},
-                                                    "input": {"batch_rows", "window_rows", "workers"},
-                                                    "output": {"dir", "rows_per_part", "flush_seconds"},
-                                                    "sharding": True, "name": True})
+        """Hash of everything that decides the outputs: TUNING fields, the sharding and the name
+        are left out, so they may change between resumes."""
+        doc = self.model_dump(mode="json", exclude={**TUNING, "sharding": True, "name": True})
         for b in doc["buckets"]:
             b.pop("max_num_seqs", None)
         return hashlib.sha256(orjson.dumps(doc, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
+
+
+# Settings that decide how fast outputs are made, never what they are.
+TUNING: dict[str, set[str]] = {
+    "engine": {"max_num_seqs", "max_num_batched_tokens", "backend", "cudagraph_capture_sizes"},
+    "input": {"workers"},
+    "output": {"dir", "rows_per_part", "flush_seconds"},
+}
+
+
+def is_tuning(field: str) -> bool:
+    """Whether a dotted job field (`engine.backend`, `buckets.1.max_num_seqs`) is left out of
+    Job.output_hash."""
+    section, _, rest = field.partition(".")
+    return (section in ("sharding", "name") or rest in TUNING.get(section, ())
+            or (section == "buckets" and rest.endswith(".max_num_seqs")))
 
 
 class JobError(ValueError):

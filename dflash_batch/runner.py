@@ -14,7 +14,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -169,14 +169,24 @@ class _Run:
         for b in sorted(by_bucket):
             self._run_bucket(self.buckets[b], by_bucket[b])
 
+    def _preemptible(self, batches: Iterator[list[PreparedRow]]) -> Iterator[list[PreparedRow]]:
+        try:
+            yield from batches
+        except (RuntimeError, OSError):
+            if not self.stop.is_set():
+                raise
+            # A worker killed by the job's SIGTERM before it could ignore it: still a preemption.
+            if self.writer is not None:
+                self.writer.flush()
+            raise Preempted() from None
+
     def run(self) -> int:
         window: list[PreparedRow] = []
-        # Rows are prepared ahead in other processes: on a GPU run the next window is ready when
-        # the engine finishes this one.
+        # Rows are prepared ahead in other processes while the engine decodes this window.
         batches = prepare_ahead(self.job, self.tok, self.shard, self.done,
                                 getattr(self.engine, "vocab_size", None))
         try:
-            for rows in batches:
+            for rows in self._preemptible(batches):
                 window += rows
                 if len(window) >= self.job.input.window_rows:
                     self._run_window(window)

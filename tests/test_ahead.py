@@ -16,7 +16,7 @@ import pytest
 
 from dflash_batch.io.inputs import read_records
 from dflash_batch.job import JobError
-from dflash_batch.plan.ahead import prepare_ahead
+from dflash_batch.plan.ahead import prepare_ahead, prepared_batches
 from dflash_batch.plan.shards import Shard
 from dflash_batch.plan.tokenize import Tokenizer
 from dflash_batch.runner import run_job
@@ -36,15 +36,21 @@ def _inputs(tmp_path: Path) -> list[str]:
     return ["a.jsonl", "b.parquet"]
 
 
-def _run(tmp_path: Path, model_dir: Path, workers: int) -> dict:
+def _job(tmp_path: Path, model_dir: Path, workers: int):
     doc = base_job(model_dir, _inputs(tmp_path),
                    input={"batch_rows": 4, "window_rows": 9, "workers": workers, "passthrough_columns": ["topic"],
                           "sampling_columns": {"temperature": "temp"}},
                    sampling={"n": 2, "max_new_tokens": 8}, output={"dir": f"out-{workers}"})
-    run_job(write_job(tmp_path, doc, f"w{workers}.yaml"), fake_factory(), Shard(1, 2), progress=False)
+    return write_job(tmp_path, doc, f"w{workers}.yaml")
+
+
+def _run(tmp_path: Path, model_dir: Path, workers: int) -> dict:
+    run_job(_job(tmp_path, model_dir, workers), fake_factory(), Shard(1, 2), progress=False)
     rows = read_out(tmp_path / f"out-{workers}")
-    return {(r["row_id"], r["sample_index"]): {k: v for k, v in r.items() if k not in ("ttft_s", "latency_s")}
-            for r in rows}
+    keyed = {(r["row_id"], r["sample_index"]): {k: v for k, v in r.items() if k not in ("ttft_s", "latency_s")}
+             for r in rows}
+    assert len(keyed) == len(rows), "duplicate rows"
+    return keyed
 
 
 def test_workers_write_the_rows_of_one_process(tmp_path, model_dir):
@@ -52,6 +58,18 @@ def test_workers_write_the_rows_of_one_process(tmp_path, model_dir):
     assert len(one) > 20 and any(r["status"] == "error" for r in one.values())
     assert _run(tmp_path, model_dir, 1) == one
     assert _run(tmp_path, model_dir, 3) == one
+
+
+def _ids(batches) -> list[list[tuple]]:
+    return [[(r.row_id, r.prompt_ids, r.bucket, r.error_type) for r in b] for b in batches]
+
+
+def test_workers_hand_back_batches_in_input_order(tmp_path, model_dir):
+    job = _job(tmp_path, model_dir, 3)
+    tok = Tokenizer(model_dir)
+    one = _ids(prepared_batches(job, tok, Shard(0, 1), frozenset(), None))
+    assert len(one) > 10
+    assert _ids(prepare_ahead(job, tok, Shard(0, 1), frozenset(), None)) == one
 
 
 def test_an_input_with_fewer_batches_than_workers(tmp_path, model_dir):
@@ -70,9 +88,32 @@ def test_worker_parts_cover_every_batch_once(tmp_path, model_dir):
 
 
 def test_a_worker_error_reaches_the_runner(tmp_path, model_dir):
-    job = write_job(tmp_path, base_job(model_dir, ["gone.jsonl"], input={"workers": 2}))
-    with pytest.raises(JobError, match="gone.jsonl"):
+    # The workers load the tokenizer themselves: here from a directory that has none.
+    (tmp_path / "empty").mkdir()
+    job = write_job(tmp_path, base_job(model_dir, _inputs(tmp_path), input={"workers": 2},
+                                       model={"tokenizer": str(tmp_path / "empty")}))
+    with pytest.raises(JobError, match="no tokenizer.json or tiktoken.model"):
         list(prepare_ahead(job, Tokenizer(model_dir), Shard(0, 1), frozenset(), None))
+
+
+def test_workers_ignore_modules_in_the_working_directory(tmp_path, model_dir, monkeypatch):
+    job = _job(tmp_path, model_dir, 2)
+    (tmp_path / "cwd").mkdir()
+    (tmp_path / "cwd" / "glob.py").write_text("raise ImportError('the wrong glob')\n")
+    monkeypatch.chdir(tmp_path / "cwd")
+    assert list(prepare_ahead(job, Tokenizer(model_dir), Shard(0, 1), frozenset(), None))
+
+
+def test_a_dead_worker_is_an_error_not_a_short_run(tmp_path, model_dir):
+    write_jsonl(tmp_path / "p.jsonl", [{"id": f"r{i}", "prompt": f"prompt {i}"} for i in range(20000)])
+    job = write_job(tmp_path, base_job(model_dir, ["p.jsonl"], input={"batch_rows": 50, "workers": 2}))
+    batches = prepare_ahead(job, Tokenizer(model_dir), Shard(0, 1), frozenset(), None)
+    next(batches)
+    workers = sorted(w for w in _children(os.getpid()) if "serve" in Path(f"/proc/{w}/cmdline").read_text())
+    os.kill(workers[1], signal.SIGKILL)
+    with pytest.raises(RuntimeError, match="worker 1 died"):
+        list(batches)
+    assert not any(_alive(w) for w in workers)
 
 
 def _children(pid: int) -> list[int]:

@@ -157,14 +157,15 @@ def test_job_level_problems_stop_before_any_work(tmp_path, model_dir):
 def test_changed_config_is_refused_with_a_way_out(tmp_path, model_dir):
     write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "hi"}])
     run_job(write_job(tmp_path, base_job(model_dir, ["p.jsonl"])), fake_factory(), ONE, progress=False)
-    changed = write_job(tmp_path, base_job(model_dir, ["p.jsonl"], sampling={"temperature": 0.7}))
-    with pytest.raises(JobError, match=r"changed: sampling.temperature.*new directory"):
+    changed = write_job(tmp_path, base_job(model_dir, ["p.jsonl"], sampling={"temperature": 0.7},
+                                           input={"workers": 3}))  # tuning: not named as a change
+    with pytest.raises(JobError, match=r"changed: sampling.temperature\). .*new directory"):
         run_job(changed, fake_factory(), ONE, progress=False)
     with pytest.raises(JobError, match="uses 1 shards, this task says 4"):
         run_job(write_job(tmp_path, base_job(model_dir, ["p.jsonl"])), fake_factory(), Shard(0, 4),
                 progress=False)
     # tuning knobs may change between resumes
-    tuned = write_job(tmp_path, base_job(model_dir, ["p.jsonl"], engine={"max_num_seqs": 1}))
+    tuned = write_job(tmp_path, base_job(model_dir, ["p.jsonl"], engine={"max_num_seqs": 1}, input={"workers": 0}))
     assert run_job(tuned, fake_factory(), ONE, progress=False).rows_written == 0
 
 

@@ -121,10 +121,12 @@ def _parquet_batches(path: Path, source: str, columns: list[str],
         start += rb.num_rows
 
 
-def read_records(spec: InputSpec, part: tuple[int, int] = (0, 1)) -> Iterator[list[Record]]:
-    """Input records, batch by batch, file after file. With part=(k, count) only batches
-    k, k + count, k + 2 * count, ... are parsed and returned (one worker's share)."""
-    files = expand_paths(spec.paths, spec.format)
+def read_records(spec: InputSpec, part: tuple[int, int] = (0, 1),
+                 files: list[tuple[Path, str]] | None = None) -> Iterator[list[Record]]:
+    """Input records, batch by batch, file after file (`files`: expand_paths' answer, if known).
+    With part=(k, count) only batches k, k + count, k + 2 * count, ... are parsed and returned
+    (one worker's share)."""
+    files = expand_paths(spec.paths, spec.format) if files is None else files
     names = _source_names([f for f, _ in files])
     columns = needed_columns(spec)
     k, count = part

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 
 from dflash_batch import __version__
 from dflash_batch.io.outputs import OUTPUT_TYPES, SCHEMA_VERSION, atomic_write_bytes
-from dflash_batch.job import Job, JobError
+from dflash_batch.job import Job, JobError, is_tuning
 from dflash_batch.plan.shards import Shard, hash64
 
 
@@ -74,7 +74,7 @@ def lock_run(out_dir: Path, job: Job, shard: Shard) -> str:
         raise JobError(f"{out_dir}: the run uses {old.get('num_shards')} shards, this task says "
                        f"{shard.count}. Every task of one run must use the same shard count. {fix}")
     if old.get("config_hash") != record["config_hash"]:
-        changed = _changed_fields(old.get("job", {}), record["job"])
+        changed = [f for f in _changed_fields(old.get("job", {}), record["job"]) if not is_tuning(f)]
         raise JobError(f"{out_dir}: the job changed since this run started (changed: "
                        f"{', '.join(changed) or 'unknown'}). {fix}")
     return record["config_hash"]

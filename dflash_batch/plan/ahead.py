@@ -7,7 +7,7 @@ batches k, k + W, k + 2W, ...) and taken back in input order, so a run is the sa
 number of workers. `input.workers: 0` prepares in a thread of the main process instead.
 
 Workers ignore SIGINT/SIGTERM (the runner decides when to stop and kills them); one whose runner
-was killed dies on its next write.
+was killed dies on its next write. Each is at most one batch and a pipe's buffer ahead.
 """
 
 from __future__ import annotations
@@ -16,16 +16,17 @@ import gc
 import os
 import pickle
 import queue
-import signal
 import subprocess
 import sys
 import threading
 import traceback
 from collections.abc import Container, Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from typing import BinaryIO
 
-from dflash_batch.io.inputs import read_records
-from dflash_batch.job import Job
+from dflash_batch.io.inputs import expand_paths, read_records
+from dflash_batch.job import Job, JobError
 from dflash_batch.plan.rows import PreparedRow, RowPreparer
 from dflash_batch.plan.shards import Shard
 from dflash_batch.plan.tokenize import Tokenizer
@@ -51,11 +52,27 @@ def fewer_gc_passes() -> Iterator[None]:
 
 
 def prepared_batches(job: Job, tokenizer: Tokenizer, shard: Shard, done: Container[tuple[str, int]],
-                     vocab_size: int | None, part: tuple[int, int] = (0, 1)) -> Iterator[Batch]:
-    """This shard's rows still to do, one input batch at a time (part: see read_records)."""
+                     vocab_size: int | None, part: tuple[int, int] = (0, 1),
+                     files: list[tuple[Path, str]] | None = None) -> Iterator[Batch]:
+    """This shard's rows still to do, one input batch at a time (part, files: see read_records)."""
     preparer = RowPreparer(job, tokenizer, vocab_size, shard, done)
-    for records in read_records(job.input, part):
+    for records in read_records(job.input, part, files):
         yield preparer.prepare(records)
+
+
+# A worker's first statements: ignore the signals meant for the runner (Slurm signals every
+# process of a job; the runner decides when to stop and kills its workers), keep stdout for the
+# stream (a stray print goes to stderr), and import from the runner's own sys.path (given as
+# arguments), so that a worker runs this very dflash_batch whatever its working directory holds.
+_BOOTSTRAP = """import os, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+out = os.fdopen(os.dup(1), "wb")
+os.dup2(2, 1)
+sys.path[:] = sys.argv[1:]
+from dflash_batch.plan.ahead import serve
+serve(out)
+"""
 
 
 def prepare_ahead(job: Job, tokenizer: Tokenizer, shard: Shard, done: Container[tuple[str, int]],
@@ -63,24 +80,28 @@ def prepare_ahead(job: Job, tokenizer: Tokenizer, shard: Shard, done: Container[
     """prepared_batches, computed ahead by `input.workers` processes. Close the iterator to stop
     the workers early."""
     workers = job.input.workers
+    files = expand_paths(job.input.paths, job.input.format)  # once: every worker reads the same files
     if workers == 0:
-        yield from _in_thread(prepared_batches(job, tokenizer, shard, done, vocab_size))
+        yield from _in_thread(prepared_batches(job, tokenizer, shard, done, vocab_size, files=files))
         return
     # Plain interpreters rather than multiprocessing: nothing of the caller's __main__ is
     # re-imported, and a worker whose runner is gone dies on its next write (broken pipe).
-    # They import from the runner's own sys.path, so they run this very dflash_batch.
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    command = [sys.executable, "-c", "from dflash_batch.plan.ahead import serve; serve()"]
+    command = [sys.executable, "-c", _BOOTSTRAP, *sys.path]
     procs: list[subprocess.Popen] = []
     try:
         for k in range(workers):
-            procs.append(p := subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env))
-            pickle.dump((job, shard, done, vocab_size, (k, workers)), p.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+            procs.append(p := subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE))
+            pickle.dump((job, shard, done, vocab_size, (k, workers), files), p.stdin,
+                        protocol=pickle.HIGHEST_PROTOCOL)
             p.stdin.close()
         k = 0
         while (item := _receive(procs[k], k)) != _DONE:
             yield item
             k = (k + 1) % workers
+        # Every other worker must be done too: batches are dealt by number, so one with more
+        # would mean the workers saw different inputs.
+        if any(_receive(procs[j], j) != _DONE for j in range(workers) if j != k):
+            raise RuntimeError("the input files changed while they were read; rerun to resume")
     finally:
         for p in procs:
             p.kill()
@@ -91,7 +112,7 @@ def prepare_ahead(job: Job, tokenizer: Tokenizer, shard: Shard, done: Container[
 def _receive(proc: subprocess.Popen, k: int) -> Batch | str:
     try:
         item = pickle.load(proc.stdout)
-    except EOFError:
+    except (EOFError, pickle.UnpicklingError):  # no more, or a batch cut short
         raise RuntimeError(f"row preparation worker {k} died (exit code {proc.wait()}) before finishing "
                            "its rows; its error is above") from None
     if isinstance(item, BaseException):
@@ -99,23 +120,21 @@ def _receive(proc: subprocess.Popen, k: int) -> Batch | str:
     return item
 
 
-def serve() -> None:
-    """A worker's main: arguments from stdin, prepared batches (then _DONE, or the error) to stdout."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the runner decides when to stop
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    out = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)  # a stray print must not corrupt the stream
-    job, shard, done, vocab_size, part = pickle.load(sys.stdin.buffer)
+def serve(out: BinaryIO) -> None:
+    """A worker's main: arguments from stdin, prepared batches (then _DONE, or the error) to `out`."""
+    job, shard, done, vocab_size, part, files = pickle.load(sys.stdin.buffer)
     gc.set_threshold(*GC_THRESHOLDS)
     try:
         tokenizer = Tokenizer(job.model.tokenizer or job.model.target, job.model.chat_template)
-        for batch in prepared_batches(job, tokenizer, shard, done, vocab_size, part):
+        for batch in prepared_batches(job, tokenizer, shard, done, vocab_size, part, files):
             pickle.dump(batch, out, protocol=pickle.HIGHEST_PROTOCOL)
             out.flush()
         pickle.dump(_DONE, out)
     except BrokenPipeError:  # the runner is gone
         os._exit(1)
     except BaseException as e:  # handed to the runner, which re-raises it
+        if not isinstance(e, JobError):  # a bug, not bad input: keep the worker's traceback
+            traceback.print_exc()
         pickle.dump(_picklable(e), out)
     out.close()
 
