@@ -2,9 +2,9 @@
 
 Preparing a chat row costs ~35 us of Python (JSON, the row checks, the jinja template, the
 tokenizer); in the engine's process that would share one GIL with the engine loop and the output
-writer, so `input.workers` processes do it instead. Batches are dealt round-robin (worker k prepares input
-batches k, k + W, k + 2W, ...) and taken back in input order, so a run is the same whatever the
-number of workers. `input.workers: 0` prepares in a thread of the main process instead.
+writer, so `input.workers` processes do it instead. Batches are dealt round-robin (worker k
+prepares input batches k, k + W, k + 2W, ...) and taken back in input order, so a run is the same
+whatever the number of workers. `input.workers: 0` prepares in a thread of the main process.
 
 Workers ignore SIGINT/SIGTERM (the runner decides when to stop and kills them); one whose runner
 was killed dies on its next write. Each is at most one batch and a pipe's buffer ahead.

@@ -94,7 +94,8 @@ class Tokenizer:
             # are a ChainMap, slow to copy on every render.
             self._chat_globals = {**template.globals, "tools": None, "documents": None,
                                   "bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
-        context = {**self._chat_globals, **template_kwargs, "messages": messages, "add_generation_prompt": True}
+        context = {**self._chat_globals, **template_kwargs, "messages": messages,
+                   "add_generation_prompt": True}
         # A shared context skips jinja's per-render copy of the globals: 2.5x faster renders.
         return jinja2.utils.concat(template.root_render_func(template.new_context(context, shared=True)))
 
