@@ -63,17 +63,12 @@ class NullEngine:
 
 
 def _children_peak_rss_mb(stop: threading.Event, out: list[float]) -> None:
-    """Largest peak RSS (VmHWM) among this process's children, polled until `stop`.
+    """Largest peak RSS among this process's children (the workers), polled until `stop`.
     (getrusage's RUSAGE_CHILDREN would count the parent's pages a child held before exec.)"""
-    me = str(os.getpid())
+    from tests.procs import children, peak_rss_mb
+
     while not stop.wait(0.2):
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                if stat.read_text().rsplit(")", 1)[1].split()[1] == me:
-                    hwm = next(x for x in (stat.parent / "status").read_text().splitlines() if x.startswith("VmHWM"))
-                    out[0] = max(out[0], int(hwm.split()[1]) / 1024)
-            except (OSError, IndexError, StopIteration):
-                continue  # it exited meanwhile
+        out[0] = max([out[0], *(peak_rss_mb(c) for c in children(os.getpid()))])
 
 
 def child(workdir: Path, name: str) -> None:

@@ -22,6 +22,7 @@ from dflash_batch.plan.tokenize import Tokenizer
 from dflash_batch.runner import run_job
 from tests.fake_engine import fake_factory
 from tests.jobs_util import base_job, read_out, write_job, write_jsonl
+from tests.procs import alive, children
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -109,29 +110,11 @@ def test_a_dead_worker_is_an_error_not_a_short_run(tmp_path, model_dir):
     job = write_job(tmp_path, base_job(model_dir, ["p.jsonl"], input={"batch_rows": 50, "workers": 2}))
     batches = prepare_ahead(job, Tokenizer(model_dir), Shard(0, 1), frozenset(), None)
     next(batches)
-    workers = sorted(w for w in _children(os.getpid()) if "serve" in Path(f"/proc/{w}/cmdline").read_text())
+    workers = [w for w in children(os.getpid()) if "serve" in Path(f"/proc/{w}/cmdline").read_text()]
     os.kill(workers[1], signal.SIGKILL)
     with pytest.raises(RuntimeError, match="worker 1 died"):
         list(batches)
-    assert not any(_alive(w) for w in workers)
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(stat.parent.name))
-        except (OSError, IndexError, ValueError):
-            continue
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    assert not any(alive(w) for w in workers)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
@@ -145,11 +128,11 @@ def test_no_worker_outlives_its_runner(tmp_path, model_dir, sig):
     deadline = time.monotonic() + 60
     while not read_out(tmp_path / "out") and time.monotonic() < deadline:
         time.sleep(0.05)
-    workers = _children(proc.pid)
+    workers = children(proc.pid)
     assert len(workers) == 2, "the runner should have two workers"
     os.kill(proc.pid, sig)
     proc.wait(timeout=60)
     deadline = time.monotonic() + 20
-    while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+    while any(alive(w) for w in workers) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(w) for w in workers)
+    assert not any(alive(w) for w in workers)
