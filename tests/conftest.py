@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Triton kernels run on the CPU through Triton's interpreter; the switch is read when a kernel
+# is defined, so it must be set before any test imports kernels/.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.tiny_tokenizer import make_tokenizer_dir
 

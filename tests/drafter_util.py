@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dflash_batch import parallel
-from dflash_batch.engine.context import AttnMeta
+from dflash_batch.backends.meta import AttnMeta
 from dflash_batch.models.layers.linear import ParallelLMHead, VocabParallelEmbedding
 from dflash_batch.models.loader import load_model
 

@@ -23,7 +23,7 @@ def checkpoint(tmp_path_factory):
 def load(checkpoint, taps=(), stream="prefix", rows=8):
     model = load_model(checkpoint)
     model.allocate_cache(len(PAGES) * PAGE, torch.float32, "cpu")
-    model.allocate_state(2, rows, "cpu")
+    model.allocate_state(2, 1, rows, "cpu")
     if taps:
         model.set_taps(list(taps), stream)
     return model
@@ -92,7 +92,7 @@ def test_verify_then_commit_equals_token_by_token(checkpoint):
         forward(model, ids, 0)
         logits, _ = forward(model, block, len(ids), stage=True)
         torch.testing.assert_close(logits, torch.cat(stepwise), atol=1e-4, rtol=1e-4)
-        model.commit([0], [n])
+        model.commit(torch.tensor([0]), torch.tensor([n]))
         after, _ = forward(model, [probe], len(ids) + n)
         expect = load(checkpoint)
         forward(expect, ids + block[:n], 0)

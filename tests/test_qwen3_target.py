@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from dflash_batch.engine.context import AttnMeta
+from dflash_batch.backends.meta import AttnMeta
 from dflash_batch.models.loader import load_model
 from tests.tiny_models import load_hf_model, make_qwen3_checkpoint
 

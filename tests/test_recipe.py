@@ -54,7 +54,7 @@ def test_target_logits_and_taps_match_inference(run):
     with torch.no_grad():
         logits, taps = target_forward.forward(target, batch.ids, target.tap_ids, target.tap_stream)
     target.allocate_cache(len(PAGES) * PAGE, torch.float32, "cpu")
-    target.allocate_state(1, 8, "cpu")
+    target.allocate_state(1, 1, 8, "cpu")
     for b, n in enumerate(batch.lengths.tolist()):
         target.reset_state(0)
         meta = build_meta([SeqRows(PAGES, 0, n, n)], PAGE, None, "cpu", [0])

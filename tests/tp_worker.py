@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dflash_batch.engine.context import single_sequence_meta
+from dflash_batch.backends.meta import single_sequence_meta
 from dflash_batch.models.loader import load_model
 
 PROMPT_LEN = 29

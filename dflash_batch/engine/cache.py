@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_batch.engine.context import AttnMeta
+from dflash_batch.backends.meta import AttentionBackend, AttnMeta
 
 
 class PagePool:
@@ -45,7 +45,7 @@ class SeqRows:
 
 def build_meta(rows: list[SeqRows], page_size: int, logits_rows: list[int] | None = None,
                device: torch.device | str = "cpu", state_ids: list[int] | None = None,
-               stage: bool = False) -> AttnMeta:
+               stage: bool = False, backend: AttentionBackend | None = None, name: str = "forward") -> AttnMeta:
     """The AttnMeta of a forward whose rows are `rows`, packed in order."""
     q_max = max(r.count for r in rows)
     max_pages = max(len(r.pages) for r in rows)
@@ -69,4 +69,5 @@ def build_meta(rows: list[SeqRows], page_size: int, logits_rows: list[int] | Non
                     kv_lens=t(kv_lens), block_tables=t(tables), page_size=page_size,
                     max_kv=max(kv_lens),
                     logits_rows=t(list(range(total)) if logits_rows is None else logits_rows),
-                    state_ids=None if state_ids is None else t(state_ids), stage=stage)
+                    state_ids=None if state_ids is None else t(state_ids), stage=stage,
+                    dense=all(r.count == q_max for r in rows), backend=backend, name=name)

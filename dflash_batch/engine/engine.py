@@ -1,19 +1,12 @@
 """The decoding loop: continuous batching inside a bucket, chunked prefill, speculative rounds.
 
 A step is either a prefill step (prompt chunks of newly admitted sequences, under the token
-budget) or one round for every decoding sequence:
-
-    verify   the target runs [anchor, d1..d_{B-1}] at positions P..P+B-1 (causal), all logits + taps
-    accept   t_j = the token the target chooses after row j; n = longest prefix with d_{j+1} == t_j;
-             the round emits d_1..d_n and the bonus t_n
-    context  the drafter turns the B rows' taps into context K/V (rows past P+n are rewritten by
-             the next block before anything reads them)
-    draft    one drafter forward over [bonus, mask x (B-1)] at P+n+1.. -> the next proposal
-
-Target-only decoding is the same round with B = 1: no drafts, the bonus is the next token.
-Sampling chooses t_j from the filtered target distribution with the row's own coin; accepting
-d_{j+1} iff it equals that sample is exactly the target-only rule for a deterministic proposal
-(accept with probability p(d), else sample p without d), so the output law is the target's.
+budget; a sequence whose prompt completes gets its first token) or one round (round.py) for
+every decoding sequence. Rounds run on a DecodeBatch, state allocated once per bucket: the
+round is a function of its tensors, padded to the next capture size, and CUDA graphs replay it
+where they are on. After a round the host reads back one small tensor (the emitted tokens, how
+many were kept, and why a row finished) to extend each sequence, check stop strings, retire
+finished sequences and admit new ones.
 """
 
 from __future__ import annotations
@@ -23,39 +16,60 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+import kernels
+from dflash_batch.backends.meta import AttentionBackend
+from dflash_batch.backends.torch_attention import TORCH
+from dflash_batch.engine.batch import DecodeBatch
 from dflash_batch.engine.cache import PagePool, SeqRows, build_meta
+from dflash_batch.engine.graphs import RoundGraphs
 from dflash_batch.engine.request import Completion, Request
+from dflash_batch.engine.round import Round
 from dflash_batch.engine.sampling import choose_tokens
 from dflash_batch.engine.sequence import Sequence
 from dflash_batch.plan.buckets import Bucket
+
+STOP = 1  # kernels.accept's finished code for a stop token (2: the budget is spent)
 
 
 class Engine:
     def __init__(self, target, drafter=None, decode=None, *, page_size: int = 16,
                  max_num_batched_tokens: int = 8192, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", attention: AttentionBackend = TORCH,
+                 capture_sizes: list[int] | None = None, cuda_graphs: bool = False):
         self.target, self.drafter = target, drafter
         self.vocab_size: int = target.vocab_size
         # Hybrid targets (KDA) keep per-sequence recurrent state that verify stages and commit picks.
         self.recurrent = hasattr(target, "allocate_state")
         self.decode = decode or (lambda ids: "")
         self.page_size, self.budget = page_size, max_num_batched_tokens
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device = dtype, torch.device(device)
+        self.attention, self.ops = attention, kernels.ops(device)
+        # Batch sizes a round runs at (a batch is padded up to the next one); None: exact sizes.
+        self.capture_sizes = sorted(capture_sizes) if capture_sizes else None
+        self.cuda_graphs = cuda_graphs
 
     # -- public --------------------------------------------------------------------------------
     def generate(self, requests: Iterable[Request], bucket: Bucket) -> Iterator[Completion]:
         block = self._block_size(bucket)
-        pool = PagePool(bucket.max_num_seqs * -(-(bucket.max_tokens + block) // self.page_size),
-                        self.page_size)
+        pages_per_seq = -(-(bucket.max_tokens + block) // self.page_size)
+        pool = PagePool(bucket.max_num_seqs * pages_per_seq, self.page_size)
+        # One page past the pool is scratch: padding rows write there and nothing reads it.
+        num_slots = (pool.num_pages + 1) * self.page_size
         for model in (self.target, self.drafter if block > 1 else None):
             if model is not None:
-                model.allocate_cache(pool.num_pages * self.page_size, self.dtype, self.device)
-        if self.recurrent:
-            self.target.allocate_state(bucket.max_num_seqs, block, self.device)
+                model.allocate_cache(num_slots, self.dtype, self.device)
+        rows = self._padded(bucket.max_num_seqs)
+        if self.recurrent:  # slot max_num_seqs is the padding rows' scratch
+            self.target.allocate_state(bucket.max_num_seqs + 1, rows, block, self.device)
+        batch = DecodeBatch(rows, block, pages_per_seq, bucket.max_num_seqs, self.device)
+        step = Round(self.target, self.drafter, block, self.page_size, self.ops, self.attention)
+        graphs = None
+        if self.cuda_graphs:
+            graphs = RoundGraphs(step, batch, self.capture_sizes, pages_per_seq * self.page_size)
         free_states = list(range(bucket.max_num_seqs))
         pending = iter(requests)
         prefilling: list[Sequence] = []
-        running: list[Sequence] = []
+        running: list[Sequence] = []   # running[i] decodes in row i of the batch
         exhausted = False
         with torch.inference_mode():
             while True:
@@ -69,16 +83,21 @@ class Engine:
                     if self.recurrent:
                         self.target.reset_state(slot)  # a freed slot still holds its last sequence's state
                     prefilling.append(Sequence(req, pool.allocate(capacity), block, slot))
+                finished: list[Sequence] = []
                 if prefilling:
-                    done = self._prefill_step(prefilling, block)
-                    prefilling = [s for s in prefilling if s not in done]
-                    running += done
+                    for seq in self._prefill_step(prefilling, block):
+                        prefilling.remove(seq)
+                        if seq.finish_reason:
+                            finished.append(seq)
+                        else:
+                            batch.put(len(running), seq)
+                            running.append(seq)
                 elif running:
-                    self._round(running, block)
+                    self._round(batch, running, step, graphs, block)
+                    finished = self._retire(batch, running)
                 else:
                     return
-                for seq in [s for s in running if s.finish_reason]:
-                    running.remove(seq)
+                for seq in finished:
                     pool.release(seq.pages)
                     free_states.append(seq.state_slot)
                     yield seq.completion(self.decode)
@@ -89,9 +108,13 @@ class Engine:
             return 1
         return bucket.block_size or self.drafter.block_size
 
+    def _padded(self, n: int) -> int:
+        """The batch size a round of n sequences runs at: the next capture size, if any fits."""
+        return next((s for s in self.capture_sizes or () if s >= n), n)
+
     def _prefill_step(self, seqs: list[Sequence], block: int) -> list[Sequence]:
         """Run the next prompt chunk of as many sequences as the token budget allows; returns
-        those whose prompt is complete (first token chosen, first block drafted)."""
+        those whose prompt is complete, each with its first token."""
         rows, chunked, budget = [], [], self.budget
         for seq in seqs:
             if budget == 0:
@@ -108,79 +131,65 @@ class Engine:
             if seq.prefilled == len(seq.prompt):
                 last_rows.append(row - 1)
                 finishing.append(seq)
-        meta = build_meta(rows, self.page_size, last_rows, self.device, [s.state_slot for s in chunked])
-        logits, taps = self.target(self._ids(ids), meta)
+        meta = build_meta(rows, self.page_size, last_rows, self.device, [s.state_slot for s in chunked],
+                          backend=self.attention, name="prefill")
+        self.attention.plan(meta)
+        logits, taps = self.target(torch.tensor(ids, dtype=torch.int64, device=self.device), meta)
         if block > 1:
             self.drafter.write_context(taps, meta)
         if not finishing:
             return []
-        firsts = self._choose(logits, finishing, 1)
-        for seq, t in zip(finishing, firsts.tolist()):
+        for seq, t in zip(finishing, self._first_tokens(logits, finishing).tolist()):
             seq.t_first = time.monotonic()
             seq.append([t])
             seq.check_stop_strings(self.decode, 1)
-        self._draft([s for s in finishing if not s.finish_reason], block)
         return finishing
 
-    def _round(self, seqs: list[Sequence], block: int) -> None:
-        """One verify + accept (+ context write + draft) for every decoding sequence."""
-        bs = len(seqs)
-        rows = [SeqRows(s.pages, s.position, block, s.position + block) for s in seqs]
-        ids = [t for s in seqs for t in [s.tokens[-1], *s.drafts]]
-        meta = build_meta(rows, self.page_size, None, self.device, [s.state_slot for s in seqs], stage=True)
-        logits, taps = self.target(self._ids(ids), meta)
-        chosen = self._choose(logits, seqs, block).view(bs, block)
-        if block > 1:
-            drafts = torch.tensor([s.drafts for s in seqs], dtype=torch.int64)
-            accepted = (drafts == chosen[:, :-1]).to(torch.int64).cumprod(-1).sum(-1)
-            # Near max_new_tokens the block shrinks to what is left (as the DFlash reference's
-            # last rounds do): drafts past it are never accepted.
-            cap = torch.tensor([min(block, s.remaining) - 1 for s in seqs])
-            accepted = torch.minimum(accepted, cap)
-            self.drafter.write_context(taps, meta)
+    def _first_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The token after each prompt (its coin: the position it takes, the prompt's length)."""
+        params = [s.params for s in seqs]
+        if all(p.temperature <= 0 for p in params):
+            return logits.argmax(-1)
+
+        def col(values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=self.device)
+
+        return choose_tokens(logits, col([p.temperature for p in params], torch.float32),
+                             col([p.top_k for p in params]), col([p.top_p for p in params], torch.float32),
+                             col([p.seed for p in params]), col([len(s.prompt) for s in seqs]), self.ops.sample)
+
+    def _round(self, batch: DecodeBatch, running: list[Sequence], step: Round, graphs: RoundGraphs | None,
+               block: int) -> None:
+        """One round for every running sequence; extends each with what it emitted."""
+        n = len(running)
+        size = self._padded(n)
+        greedy = all(s.params.temperature <= 0 for s in running)
+        positions = [s.position for s in running]
+        self.attention.plan_round(batch, size, positions, block)
+        if graphs is not None and graphs.covers(size):
+            graphs.replay(size, greedy)
         else:
-            accepted = torch.zeros(bs, dtype=torch.int64)
-        if self.recurrent:
-            # The verify left the recurrent state alone; it moves past the anchor and the n
-            # accepted drafts (the bonus is the next anchor, not yet fed).
-            self.target.commit([s.state_slot for s in seqs], (accepted + 1).tolist())
-        for seq, n, row in zip(seqs, accepted.tolist(), chosen.tolist()):
-            before = len(seq.tokens)
-            seq.append(seq.drafts[:n] + [row[n]])
+            step(batch, size, greedy, max(positions) + block)
+        for seq, row in zip(running, batch.out[:n].tolist()):
+            before, kept = len(seq.tokens), row[block]
+            seq.tokens += row[:kept]
+            if row[block + 1]:
+                seq.finish_reason = "stop" if row[block + 1] == STOP else "length"
+                seq.stop_reason = str(seq.tokens[-1]) if row[block + 1] == STOP else None
             seq.check_stop_strings(self.decode, before + 1)
             if seq.spec is not None:
                 # Counted after a stop string's cut too: the round keeps only tokens up to it.
                 seq.spec.per_round.append(len(seq.tokens) - before - 1)
-        self._draft([s for s in seqs if not s.finish_reason], block)
 
-    def _draft(self, seqs: list[Sequence], block: int) -> None:
-        """Propose the next block for each sequence from its anchor (the last token)."""
-        if block == 1 or not seqs:
-            for s in seqs:
-                s.drafts = []
-            return
-        mask = self.drafter.mask_token_id
-        # Keys past the block's usable length stay invisible, so a shortened last block drafts
-        # exactly what a shorter block would.
-        rows = [SeqRows(s.pages, s.position, block, s.position + min(block, s.remaining)) for s in seqs]
-        ids = [t for s in seqs for t in [s.tokens[-1]] + [mask] * (block - 1)]
-        meta = build_meta(rows, self.page_size, [], self.device)
-        hidden = self.drafter(self._ids(ids), meta, block_size=block)
-        anchors = self._ids([s.tokens[-1] for s in seqs])
-        drafts = self.drafter.propose(hidden.view(len(seqs), block, -1), anchors)
-        for s, d in zip(seqs, drafts.tolist()):
-            s.drafts = d
-
-    # -- helpers -------------------------------------------------------------------------------
-    def _ids(self, ids: list[int]) -> torch.Tensor:
-        return torch.tensor(ids, dtype=torch.int64, device=self.device)
-
-    def _choose(self, logits: torch.Tensor, seqs: list[Sequence], per_seq: int) -> torch.Tensor:
-        """The target's token for each logits row; `per_seq` consecutive rows per sequence."""
-        def col(values: list) -> torch.Tensor:
-            return torch.tensor(values, device=logits.device).repeat_interleave(per_seq)
-
-        p = [s.params for s in seqs]
-        coins = torch.cat([s.coins(per_seq) for s in seqs]).to(logits.device)
-        return choose_tokens(logits, col([x.temperature for x in p]).float(), col([x.top_k for x in p]),
-                             col([x.top_p for x in p]).float(), coins)
+    @staticmethod
+    def _retire(batch: DecodeBatch, running: list[Sequence]) -> list[Sequence]:
+        """Take finished sequences out; the running ones move down to rows 0..n-1 in order."""
+        finished = [s for s in running if s.finish_reason]
+        if finished:
+            stay = [i for i, s in enumerate(running) if not s.finish_reason]
+            moved = [(i, new) for new, i in enumerate(stay) if i != new]
+            if moved:
+                batch.move([i for i, _ in moved], [new for _, new in moved])
+            batch.clear(len(stay), len(running))
+            running[:] = [running[i] for i in stay]
+        return finished

@@ -1,10 +1,8 @@
-"""One sample being generated: its pages, tokens, drafts, counters and random stream."""
+"""One sample being generated: its pages, tokens, drafts and counters (host-side bookkeeping)."""
 
 from __future__ import annotations
 
 import time
-
-import torch
 
 from dflash_batch.engine.request import Completion, Request, SpecCounters
 
@@ -18,12 +16,10 @@ class Sequence:
         self.pages = pages
         self.prefilled = 0                 # prompt tokens whose target K/V is written
         self.tokens: list[int] = []        # generated tokens; the last one is the next anchor
-        self.drafts: list[int] = []        # the drafter's proposal for the next verify
         self.spec = SpecCounters(block_size) if block_size > 1 else None
         self.finish_reason: str | None = None
         self.stop_reason: str | None = None
         self.text: str | None = None       # set when a stop string cut the output
-        self.generator = torch.Generator().manual_seed(self.params.seed)
         self.t_admit = time.monotonic()
         self.t_first: float | None = None
 
@@ -31,17 +27,6 @@ class Sequence:
     def position(self) -> int:
         """Position of the anchor (the last generated token): how many tokens have committed K/V."""
         return len(self.prompt) + len(self.tokens) - 1
-
-    @property
-    def remaining(self) -> int:
-        """Tokens this sequence may still add, the anchor's own position included."""
-        return self.params.max_new_tokens - len(self.tokens) + 1
-
-    def coins(self, n: int) -> torch.Tensor:
-        """n uniforms from this sequence's own stream (zeros when greedy: nothing is drawn)."""
-        if self.params.temperature <= 0:
-            return torch.zeros(n)
-        return torch.rand(n, generator=self.generator)
 
     def append(self, new: list[int]) -> int:
         """Add a round's tokens, cut at a stop token or max_new_tokens; returns how many were kept."""

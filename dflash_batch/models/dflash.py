@@ -15,8 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dflash_batch.backends.torch_attention import paged_attention, write_cache
-from dflash_batch.engine.context import AttnMeta
+from dflash_batch.backends.meta import AttnMeta
 from dflash_batch.models.layers.linear import (
     ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, new_param, per_rank,
 )
@@ -79,18 +78,18 @@ class DFlashAttention(nn.Module):
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
 
-    def write_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor) -> None:
+    def write_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta) -> None:
         """Context rows and block rows get their K/V the same way: k_norm, then RoPE at their position."""
         T = x.shape[0]
         k = self.k_norm(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim))
-        write_cache(self.k_cache, slots, apply_rope(k, cos, sin))
-        write_cache(self.v_cache, slots, self.v_proj(x).view(T, self.num_kv_heads, self.head_dim))
+        meta.attention.write(self.k_cache, meta, apply_rope(k, cos, sin))
+        meta.attention.write(self.v_cache, meta, self.v_proj(x).view(T, self.num_kv_heads, self.head_dim))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
         T = x.shape[0]
-        self.write_kv(x, cos, sin, meta.slots)
+        self.write_kv(x, cos, sin, meta)
         q = apply_rope(self.q_norm(self.q_proj(x).view(T, self.num_heads, self.head_dim)), cos, sin)
-        o = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, self.causal, self.window)
+        o = meta.attention.attend(q, self.k_cache, self.v_cache, meta, self.scale, self.causal, self.window)
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
 
 
@@ -127,23 +126,23 @@ class DFlashMLAAttention(nn.Module):
     def allocate(self, num_slots: int, dtype: torch.dtype, device: torch.device | str) -> None:
         self.cache = torch.zeros(num_slots, 1, self.kl + self.dr, dtype=dtype, device=device)
 
-    def write_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor) -> None:
+    def write_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta) -> None:
         """Context rows and block rows get their latent row the same way."""
         c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kl, self.dr], dim=-1)
         k_pe = apply_rope_interleaved(k_pe[:, None], cos, sin)
-        write_cache(self.cache, slots, torch.cat([self.kv_a_layernorm(c)[:, None], k_pe], dim=-1))
+        meta.attention.write(self.cache, meta, torch.cat([self.kv_a_layernorm(c)[:, None], k_pe], dim=-1))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
         T = x.shape[0]
-        self.write_kv(x, cos, sin, meta.slots)
+        self.write_kv(x, cos, sin, meta)
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(T, self.num_heads, self.dn + self.dr)
         q_nope, q_pe = q.split([self.dn, self.dr], dim=-1)
         # kv_b_proj holds, per head, dn rows that expand the latent to K_nope and dv rows to V.
         w_kc, w_vc = self.kv_b_proj.weight.view(self.num_heads, self.dn + self.dv, self.kl).split([self.dn, self.dv], 1)
         q_lat = torch.einsum("thd,hdk->thk", q_nope, w_kc)
         # One "kv head" for all query heads: keys are whole latent rows, values their c part.
-        o_lat = paged_attention(torch.cat([q_lat, apply_rope_interleaved(q_pe, cos, sin)], dim=-1), self.cache,
-                                self.cache[..., :self.kl], meta, self.scale, self.causal, self.window)
+        o_lat = meta.attention.attend_latent(torch.cat([q_lat, apply_rope_interleaved(q_pe, cos, sin)], dim=-1),
+                                             self.cache, self.kl, meta, self.scale, self.causal, self.window)
         o = torch.einsum("thk,hvk->thv", o_lat, w_vc)
         return self.o_proj(o.reshape(T, self.num_heads * self.dv))
 
@@ -278,7 +277,7 @@ class DFlashDrafter(nn.Module):
         ctx = self.hidden_norm(self.fc(taps))
         cos, sin = self.rotary_emb(meta.positions)
         for layer in self.layers:
-            layer.self_attn.write_kv(ctx, cos, sin, meta.slots)
+            layer.self_attn.write_kv(ctx, cos, sin, meta)
 
     @torch.inference_mode()
     def forward(self, block_ids: torch.Tensor, meta: AttnMeta, block_size: int | None = None) -> torch.Tensor:

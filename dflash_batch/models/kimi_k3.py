@@ -16,8 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_batch import parallel
-from dflash_batch.backends.torch_attention import paged_attention, write_cache
-from dflash_batch.engine.context import AttnMeta
+from dflash_batch.backends.meta import AttnMeta
 from dflash_batch.models.layers.kda import kda_chunked, kda_gate, kda_recurrent, l2norm, short_conv
 from dflash_batch.models.layers.linear import (
     ColumnParallelLinear, ParallelLMHead, ReplicatedLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -140,12 +139,12 @@ class GatedMLA(nn.Module):
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(T, self.heads, self.dn + self.dr)
         latent = self.kv_a_proj_with_mqa(x)
         row = torch.cat([self.kv_a_layernorm(latent[:, :self.kl]), latent[:, self.kl:]], dim=-1)
-        write_cache(self.cache, meta.slots, row[:, None, :])
+        meta.attention.write(self.cache, meta, row[:, None, :])
         # kv_b_proj holds, per head, dn rows that expand the latent to K_nope and dv rows to V.
         w = self.kv_b_proj.weight.view(self.heads, self.dn + self.dv, self.kl)
         q_lat = torch.einsum("thd,hdk->thk", q[..., :self.dn], w[:, :self.dn])
-        o_lat = paged_attention(torch.cat([q_lat, q[..., self.dn:]], dim=-1), self.cache,
-                                self.cache[..., :self.kl], meta, self.scale, causal=True)
+        o_lat = meta.attention.attend_latent(torch.cat([q_lat, q[..., self.dn:]], dim=-1), self.cache, self.kl,
+                                             meta, self.scale, causal=True)
         o = torch.einsum("thk,hvk->thv", o_lat, w[:, self.dn:])
         o = o * torch.sigmoid(self.g_proj(x).float()).view(T, self.heads, self.dv).to(o.dtype)
         return self.o_proj(o.reshape(T, self.heads * self.dv))
@@ -179,12 +178,12 @@ class KDA(nn.Module):
         # State pool [seqs, ...] and, for verify, per-row staged states [seqs, rows, ...].
         self.conv_state = self.state = self.staged_conv = self.staged_state = None
 
-    def allocate(self, seqs: int, rows: int, device) -> None:
+    def allocate(self, slots: int, batch: int, rows: int, device) -> None:
         C = 3 * self.heads * self.d
-        self.conv_state = torch.zeros(seqs, C, self.kernel - 1, device=device)
-        self.state = torch.zeros(seqs, self.heads, self.d, self.d, device=device)
-        self.staged_conv = torch.zeros(seqs, rows, C, self.kernel - 1, device=device)
-        self.staged_state = torch.zeros(seqs, rows, self.heads, self.d, self.d, device=device)
+        self.conv_state = torch.zeros(slots, C, self.kernel - 1, device=device)
+        self.state = torch.zeros(slots, self.heads, self.d, self.d, device=device)
+        self.staged_conv = torch.zeros(batch, rows, C, self.kernel - 1, device=device)
+        self.staged_state = torch.zeros(batch, rows, self.heads, self.d, self.d, device=device)
 
     def forward(self, x: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
         T, H, d = x.shape[0], self.heads, self.d
@@ -217,11 +216,11 @@ class KDA(nn.Module):
         o = o * torch.sigmoid(self.g_proj(x).float()).view(T, H, d)
         return self.o_proj(o.reshape(T, H * d).to(x.dtype))
 
-    def commit(self, state_ids: list[int], kept: list[int]) -> None:
-        """After a verify: the committed state becomes the one after row kept-1."""
-        for b, (slot, n) in enumerate(zip(state_ids, kept)):
-            self.state[slot] = self.staged_state[b, n - 1]
-            self.conv_state[slot] = self.staged_conv[b, n - 1]
+    def commit(self, state_ids: torch.Tensor, kept: torch.Tensor) -> None:
+        """After a verify: the committed state of sequence b becomes the one after its row kept[b]-1."""
+        rows = torch.arange(len(state_ids), device=state_ids.device)
+        self.state[state_ids] = self.staged_state[rows, kept - 1]
+        self.conv_state[state_ids] = self.staged_conv[rows, kept - 1]
 
 
 class DecoderLayer(nn.Module):
@@ -319,11 +318,12 @@ class KimiK3ForConditionalGeneration(nn.Module):
                 attn = layer.self_attn
                 attn.cache = torch.zeros(num_slots, 1, attn.kl + attn.dr, dtype=dtype, device=device)
 
-    def allocate_state(self, max_seqs: int, max_rows: int, device) -> None:
-        """Recurrent state for max_seqs sequences, and staging for verifies of max_rows rows."""
+    def allocate_state(self, slots: int, batch: int, rows: int, device) -> None:
+        """Recurrent state for `slots` sequences, and staging for verifies of `batch` sequences
+        of `rows` rows each."""
         for layer in self.model.layers:
             if layer.is_kda:
-                layer.self_attn.allocate(max_seqs, max_rows, device)
+                layer.self_attn.allocate(slots, batch, rows, device)
 
     def reset_state(self, slot: int) -> None:
         """Zero one sequence's recurrent state (conv window and delta-rule state) before a new
@@ -333,7 +333,7 @@ class KimiK3ForConditionalGeneration(nn.Module):
                 layer.self_attn.conv_state[slot] = 0
                 layer.self_attn.state[slot] = 0
 
-    def commit(self, state_ids: list[int], kept: list[int]) -> None:
+    def commit(self, state_ids: torch.Tensor, kept: torch.Tensor) -> None:
         for layer in self.model.layers:
             if layer.is_kda:
                 layer.self_attn.commit(state_ids, kept)

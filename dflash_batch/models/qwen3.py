@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dflash_batch.backends.torch_attention import paged_attention, write_cache
-from dflash_batch.engine.context import AttnMeta
+from dflash_batch.backends.meta import AttnMeta
 from dflash_batch.models.layers.activation import silu_and_mul
 from dflash_batch.models.layers.linear import (
     ColumnParallelLinear,
@@ -53,9 +52,10 @@ class Qwen3Attention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim))
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        write_cache(self.k_cache, meta.slots, k)
-        write_cache(self.v_cache, meta.slots, v)
-        o = paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, causal=True)
+        attention = meta.attention
+        attention.write(self.k_cache, meta, k)
+        attention.write(self.v_cache, meta, v)
+        o = attention.attend(q, self.k_cache, self.v_cache, meta, self.scale, causal=True)
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
 
 

@@ -1,0 +1,77 @@
+"""A bucket's decoding state: every tensor a round touches, allocated once.
+
+Row r of each tensor belongs to the r-th running sequence; rows past the running ones are
+padding, made inert: no pages (slot -1, never written), budget 0 (nothing emitted, nothing
+counted), the scratch recurrent-state slot. Per-token sampling settings are stored expanded to
+the block ([rows, B]) so a round reads them as they lie. The host writes a row when a sequence
+starts decoding and moves rows down when sequences retire, so running rows stay 0..n-1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dflash_batch.engine.sequence import Sequence
+
+
+class DecodeBatch:
+    def __init__(self, rows: int, block: int, max_pages: int, scratch_state: int,
+                 device: torch.device | str, stop_width: int = 4):
+        def full(shape, value, dtype=torch.int64):
+            return torch.full(shape, value, dtype=dtype, device=device)
+
+        self.rows, self.block, self.device = rows, block, device
+        self.scratch_state = scratch_state
+        self.ids = full((rows, block), 0)             # [anchor, d_1..d_{B-1}] of the next verify
+        self.pos = full((rows,), 0)                   # anchor position
+        self.budget = full((rows,), 0)                # tokens the row may still emit
+        self.tables = full((rows, max_pages), -1)     # page ids (-1: none)
+        self.temperature = full((rows, block), 0.0, torch.float32)
+        self.top_k = full((rows, block), -1)
+        self.top_p = full((rows, block), 1.0, torch.float32)
+        self.seed = full((rows, block), 0)
+        self.stop_ids = full((rows, stop_width), -1)  # stop token ids (-1: none)
+        self.state_slot = full((rows,), scratch_state)  # recurrent-state slot (hybrid targets)
+        self.out = full((rows, block + 2), 0)          # a round's result: emitted | kept | finished
+        self.q_index = torch.arange(rows * block, device=device).view(rows, block)
+        self.no_rows = full((0,), 0)
+        self.per_row = [self.ids, self.pos, self.budget, self.tables, self.temperature, self.top_k, self.top_p,
+                        self.seed, self.stop_ids, self.state_slot]
+        self.reshaped = False  # set when a tensor had to grow (CUDA graphs must be captured again)
+
+    def put(self, row: int, seq: Sequence) -> None:
+        """Start decoding `seq` in `row`: its anchor, position, budget, pages and settings."""
+        p = seq.params
+        stops = list(p.stop_token_ids)
+        if len(stops) > self.stop_ids.shape[1]:
+            self._grow_stops(len(stops))
+        host = {self.pos: seq.position, self.budget: p.max_new_tokens - len(seq.tokens),
+                self.temperature: p.temperature, self.top_k: p.top_k, self.top_p: p.top_p, self.seed: p.seed,
+                self.state_slot: seq.state_slot}
+        for tensor, value in host.items():
+            tensor[row] = value
+        self.ids[row, 0] = seq.tokens[-1]
+        self.tables[row] = -1
+        self.tables[row, :len(seq.pages)] = torch.tensor(seq.pages, device=self.device)
+        self.stop_ids[row] = -1
+        if stops:
+            self.stop_ids[row, :len(stops)] = torch.tensor(stops, device=self.device)
+
+    def move(self, src: list[int], dst: list[int]) -> None:
+        """Copy rows src to rows dst (retired sequences' rows get the last running ones)."""
+        s, d = (torch.tensor(x, device=self.device) for x in (src, dst))
+        for tensor in self.per_row:
+            tensor[d] = tensor[s]
+
+    def clear(self, start: int, stop: int) -> None:
+        """Make rows start..stop-1 padding."""
+        self.tables[start:stop] = -1
+        self.budget[start:stop] = 0
+        self.pos[start:stop] = 0
+        self.state_slot[start:stop] = self.scratch_state
+
+    def _grow_stops(self, width: int) -> None:
+        grown = torch.full((self.rows, width), -1, dtype=torch.int64, device=self.device)
+        grown[:, :self.stop_ids.shape[1]] = self.stop_ids
+        self.per_row[self.per_row.index(self.stop_ids)] = self.stop_ids = grown
+        self.reshaped = True

@@ -1,0 +1,47 @@
+"""CUDA graphs of a Round: one per (padded batch size, greedy or sampled).
+
+Captured when the bucket starts, while every row of the batch is padding, so warm-up and capture
+change nothing a sequence will read (padding rows write only scratch slots and the scratch
+recurrent state). Before each replay the engine has the attention backend plan the round from
+host-side lengths (flashinfer's plan must run outside the graph); the graph then reads the
+batch's static tensors, which the host keeps current between rounds.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dflash_batch.engine.batch import DecodeBatch
+from dflash_batch.engine.round import Round
+
+
+class RoundGraphs:
+    def __init__(self, step: Round, batch: DecodeBatch, sizes: list[int], max_kv: int):
+        self.step, self.batch, self.max_kv = step, batch, max_kv
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.pool = None
+        # Largest first: the smaller graphs reuse the memory pool the largest one reserved.
+        for size in sorted(sizes, reverse=True):
+            for greedy in (True, False):
+                self._capture(size, greedy)
+
+    def covers(self, size: int) -> bool:
+        return (size, True) in self.graphs and not self.batch.reshaped
+
+    def replay(self, size: int, greedy: bool) -> None:
+        """Run the round of `size` rows (the attention backend has planned it)."""
+        self.graphs[(size, greedy)].replay()
+
+    def _capture(self, size: int, greedy: bool) -> None:
+        self.step.attention.plan_round(self.batch, size, [], self.step.block)  # every row padding
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: kernels compiled and planned outside the capture
+            for _ in range(2):
+                self.step(self.batch, size, greedy, self.max_kv)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.step(self.batch, size, greedy, self.max_kv)
+        self.pool = graph.pool()
+        self.graphs[(size, greedy)] = graph

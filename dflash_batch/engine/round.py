@@ -1,0 +1,75 @@
+"""One speculative round for the first n rows of a DecodeBatch, as a function of its tensors:
+
+    prepare  positions, cache slots and the draft block [anchor, mask x (B-1)] from the state
+    draft    one drafter forward over the block -> d_1..d_{B-1} (greedy proposal)
+    verify   the target runs [anchor, d_1..d_{B-1}] at positions P..P+B-1 (causal): logits + taps
+    choose   t_j = argmax, or the row's seeded sample of the filtered distribution
+    accept   n = longest prefix with d_{j+1} == t_j; emit t_0..t_n (cut by budget and stop
+             tokens); the last emitted token is the next anchor; pos and budget advance
+    context  the drafter turns the B rows' taps into context K/V (rows past the accepted ones are
+             rewritten by the next draft before anything reads them)
+    commit   hybrid targets keep the recurrent state after anchor + n accepted drafts
+
+The draft comes first, so a round needs only the previous round's anchor: a sequence leaves
+prefill with its first token and is ready. Nothing in a round reads a tensor's value on the
+host or branches on one: it can be captured as one CUDA graph per batch size. Target-only
+decoding is the same round with B = 1 (no draft, no context).
+
+Sampling is exact: t_j follows the target's filtered law with the coin of position P+j+1, and
+accepting d_{j+1} iff it equals t_j is the target-only rule for a deterministic proposal
+(accept with probability p(d), else sample p without d). Every emitted token at position x is
+the sample of its prefix's law at coin(seed, x), so the output equals target-only sampling.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from dflash_batch.backends.meta import AttentionBackend, AttnMeta
+from dflash_batch.engine.batch import DecodeBatch
+from dflash_batch.engine.sampling import choose_tokens
+
+
+class Round:
+    def __init__(self, target, drafter, block: int, page_size: int, ops: SimpleNamespace,
+                 attention: AttentionBackend):
+        self.target, self.drafter, self.block = target, drafter if block > 1 else None, block
+        self.page_size, self.ops, self.attention = page_size, ops, attention
+        self.recurrent = hasattr(target, "commit")
+        self.mask_id = self.drafter.mask_token_id if self.drafter is not None else 0
+
+    def __call__(self, batch: DecodeBatch, n: int, greedy: bool, max_kv: int) -> None:
+        """Decode one round for rows 0..n-1; the result lands in batch.out[:n]. `greedy`: every
+        row has temperature 0 (skips the sampler); `max_kv`: a host-side bound on key lengths."""
+        B, b = self.block, batch
+        ids = b.ids[:n]
+        draft_ids, positions, slots, draft_kv, verify_kv = self.ops.prepare(
+            ids, b.pos[:n], b.budget[:n], b.tables[:n], self.page_size, self.mask_id)
+
+        def meta(name: str, kv_lens: torch.Tensor, **extra) -> AttnMeta:
+            return AttnMeta(positions=positions, slots=slots, q_index=b.q_index[:n],
+                            q_positions=positions.view(n, B), kv_lens=kv_lens, block_tables=b.tables[:n],
+                            page_size=self.page_size, max_kv=max_kv, dense=True, name=name,
+                            backend=self.attention, **extra)
+
+        if self.drafter is not None:
+            hidden = self.drafter(draft_ids, meta("draft", draft_kv, logits_rows=b.no_rows), block_size=B)
+            ids[:, 1:] = self.drafter.propose(hidden.view(n, B, -1), ids[:, 0])
+        verify = meta("verify", verify_kv, logits_rows=b.q_index[:n].reshape(-1),
+                      state_ids=b.state_slot[:n], stage=self.recurrent)
+        logits, taps = self.target(ids.reshape(-1), verify)
+        if greedy:
+            chosen = logits.argmax(-1)
+        else:
+            chosen = choose_tokens(logits, b.temperature[:n].reshape(-1), b.top_k[:n].reshape(-1),
+                                   b.top_p[:n].reshape(-1), b.seed[:n].reshape(-1), positions + 1,
+                                   self.ops.sample)
+        accepted = self.ops.accept(ids, chosen.view(n, B), b.pos[:n], b.budget[:n], b.stop_ids[:n], b.out[:n])
+        if self.drafter is not None:
+            self.drafter.write_context(taps, verify)
+        if self.recurrent:
+            # The verify left the recurrent state alone; it moves past the anchor and the
+            # accepted drafts (the bonus is the next anchor, not yet fed).
+            self.target.commit(b.state_slot[:n], accepted + 1)

@@ -1,0 +1,32 @@
+"""dflash-batch's own Triton kernels, each beside the plain torch function it must equal.
+
+    coins.py    per-token coins hashed from (seed, position)
+    sample.py   seeded sampling from filtered logits
+    accept.py   acceptance (longest matching prefix + bonus, stop tokens, budgets) and the next anchor
+    prepare.py  a round's positions, cache slots and draft ids from the decoding state
+    scatter.py  paged K/V and latent cache writes, slot -1 skipped
+
+`ops(device)` picks the Triton versions on CUDA devices (when Triton is installed) and the torch
+references everywhere else; tests run the Triton versions on CPU under TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from kernels import _triton
+from kernels.accept import accept_torch, accept_triton
+from kernels.prepare import prepare_torch, prepare_triton
+from kernels.sample import sample_torch, sample_triton
+from kernels.scatter import scatter_torch, scatter_triton
+
+TORCH = SimpleNamespace(name="torch", sample=sample_torch, accept=accept_torch, prepare=prepare_torch,
+                        scatter=scatter_torch)
+TRITON = SimpleNamespace(name="triton", sample=sample_triton, accept=accept_triton, prepare=prepare_triton,
+                         scatter=scatter_triton)
+
+
+def ops(device: torch.device | str) -> SimpleNamespace:
+    return TRITON if torch.device(device).type == "cuda" and _triton.available() else TORCH
