@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from dflash_batch.engine.engine import Engine  # noqa: E402
 from dflash_batch.engine.request import Request, SamplingParams  # noqa: E402
-from dflash_batch.engine.build import attach_drafter  # noqa: E402
+from dflash_batch.engine.pair import attach_drafter  # noqa: E402
 from dflash_batch.models.loader import load_model  # noqa: E402
 from dflash_batch.plan.buckets import Bucket  # noqa: E402
 from dflash_batch.plan.tokenize import Tokenizer, stop_token_ids  # noqa: E402

@@ -43,7 +43,7 @@ def main() -> None:
 def _run_shard(job: Job, shard: Shard, progress: bool) -> None:
     """Run one shard in this process (one tensor-parallel rank); rank 0 reports."""
     from dflash_batch import parallel
-    from dflash_batch.engine.build import build_engine
+    from dflash_batch.build import build_engine
     from dflash_batch.runner import Preempted, run_job
 
     try:
@@ -81,7 +81,9 @@ def _tp_rank(rank: int, world: int, port: int, job: Job, shard: Shard, progress:
 @click.option("--shard", "shard_text", help="INDEX/COUNT; default: Slurm array variables, else 0/1.")
 @click.option("--output-dir", help="Override output.dir.")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
-def run(job_file: str, shard_text: str | None, output_dir: str | None, no_progress: bool) -> None:
+@click.option("--eager", is_flag=True, help="Run the decode round eagerly: no CUDA graphs, no torch.compile "
+              "(sets engine.cuda_graphs and engine.compile to false).")
+def run(job_file: str, shard_text: str | None, output_dir: str | None, no_progress: bool, eager: bool) -> None:
     """Run JOB_FILE (this process's shard of it); resumes where a previous run stopped.
 
     With model.tensor_parallel_size N > 1 it starts N local rank processes itself, unless it is
@@ -92,6 +94,9 @@ def run(job_file: str, shard_text: str | None, output_dir: str | None, no_progre
         job = load_job(job_file)
         if output_dir:
             job = job.model_copy(update={"output": job.output.model_copy(update={"dir": output_dir})})
+        if eager:
+            engine = job.engine.model_copy(update={"cuda_graphs": False, "compile": False})
+            job = job.model_copy(update={"engine": engine})
         shard = resolve_shard(job.sharding, os.environ, parse_shard(shard_text) if shard_text else None)
     except JobError as e:
         _fail(e)
@@ -126,15 +131,18 @@ def run(job_file: str, shard_text: str | None, output_dir: str | None, no_progre
 
 @main.command()
 @click.argument("job_file", type=click.Path(dir_okay=False))
-@click.option("--no-inputs", is_flag=True, help="Check the job file only, not its input files.")
+@click.option("--no-inputs", is_flag=True, help="Check the job file only: not its input files, checkpoints "
+              "or what this host can run.")
 def validate(job_file: str, no_inputs: bool) -> None:
-    """Check JOB_FILE and its inputs without running anything."""
+    """Check JOB_FILE, its inputs and its engine settings on this host, without running anything."""
+    from dflash_batch.build import resolve_engine
     from dflash_batch.io.inputs import check_inputs
 
     try:
         job = load_job(job_file)
         if not no_inputs:
             check_inputs(job.input)
+            click.echo(resolve_engine(job).describe())
     except JobError as e:
         _fail(e)
     click.echo(f"{job_file}: ok")

@@ -81,9 +81,18 @@ class EngineSpec(_Strict):
     max_num_seqs: int = Field(64, ge=1, description="Sequences decoded together (default for buckets).")
     max_num_batched_tokens: int = Field(8192, ge=16, description="Tokens per forward (chunked prefill "
                                         "budget).")
-    backend: Literal["auto", "torch", "flashinfer"] = "auto"
+    backend: Literal["auto", "torch", "flashinfer"] = Field(
+        "auto", description="Attention backend. auto: flashinfer on a CUDA host that has it, for GQA "
+        "models; else torch (torch: the CPU reference path, even on a CUDA host).")
+    cuda_graphs: bool | None = Field(
+        None, description="Capture the decode round as CUDA graphs. Absent: on where they can run (a "
+        "CUDA device, a Qwen3 target, one rank); true where they cannot is refused.")
+    compile: bool | None = Field(
+        None, description="torch.compile the decode round (the CPU path). Absent: on for CPU runs of a "
+        "Qwen3 target on one rank; true where it cannot run is refused.")
     cudagraph_capture_sizes: list[Annotated[int, Field(ge=1)]] | None = Field(
-        None, description="Batch sizes captured as CUDA graphs; absent: powers of two up to max_num_seqs.")
+        None, description="Batch sizes captured as CUDA graphs (a round is padded to the next one); "
+        "absent: powers of two up to the largest max_num_seqs, and it. Only with CUDA graphs on.")
     page_size: int = Field(16, ge=1, description="Tokens per KV-cache page.")
 
 
@@ -183,7 +192,8 @@ class Job(_Strict):
 
 # Settings that decide how fast outputs are made, never what they are.
 TUNING: dict[str, set[str]] = {
-    "engine": {"max_num_seqs", "max_num_batched_tokens", "backend", "cudagraph_capture_sizes"},
+    "engine": {"max_num_seqs", "max_num_batched_tokens", "backend", "cuda_graphs", "compile",
+               "cudagraph_capture_sizes"},
     "input": {"workers"},
     "output": {"dir", "rows_per_part", "flush_seconds"},
 }

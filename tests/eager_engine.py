@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from dflash_batch.engine.cache import PagePool, SeqRows, build_meta
+from dflash_batch.engine.cache import SeqRows, build_meta, row_pages
 from dflash_batch.engine.engine import Engine
 from dflash_batch.engine.request import Completion, Request
 from dflash_batch.engine.sampling import choose_tokens
@@ -34,11 +34,10 @@ def remaining(seq: Sequence) -> int:
 class EagerEngine(Engine):
     def generate(self, requests: Iterable[Request], bucket: Bucket) -> Iterator[Completion]:
         block = self._block_size(bucket)
-        pool = PagePool(bucket.max_num_seqs * -(-(bucket.max_tokens + block) // self.page_size),
-                        self.page_size)
+        pages_per_row = -(-(bucket.max_tokens + block) // self.page_size)
         for model in (self.target, self.drafter if block > 1 else None):
             if model is not None:
-                model.allocate_cache(pool.num_pages * self.page_size, self.dtype, self.device)
+                model.allocate_cache(bucket.max_num_seqs * pages_per_row * self.page_size, self.dtype, self.device)
         if self.recurrent:
             self.target.allocate_state(bucket.max_num_seqs, bucket.max_num_seqs, block, self.device)
         free_states = list(range(bucket.max_num_seqs))
@@ -56,8 +55,7 @@ class EagerEngine(Engine):
                     slot = free_states.pop()
                     if self.recurrent:
                         self.target.reset_state(slot)
-                    capacity = len(req.prompt_ids) + req.params.max_new_tokens + block
-                    prefilling.append(Sequence(req, pool.allocate(capacity), block, slot))
+                    prefilling.append(Sequence(req, row_pages(slot, pages_per_row), block, slot))
                 if prefilling:
                     done = self._prefill_step(prefilling, block)
                     self._draft([s for s in done if not s.finish_reason], block)
@@ -69,15 +67,14 @@ class EagerEngine(Engine):
                     return
                 for seq in [s for s in running if s.finish_reason]:
                     running.remove(seq)
-                    pool.release(seq.pages)
-                    free_states.append(seq.state_slot)
+                    free_states.append(seq.row)
                     yield seq.completion(self.decode)
 
     def _eager_round(self, seqs: list[Sequence], block: int) -> None:
         bs = len(seqs)
         rows = [SeqRows(s.pages, s.position, block, s.position + block) for s in seqs]
         ids = [t for s in seqs for t in [s.tokens[-1], *s.drafts]]
-        meta = build_meta(rows, self.page_size, None, self.device, [s.state_slot for s in seqs], stage=True)
+        meta = build_meta(rows, self.page_size, None, self.device, [s.row for s in seqs], stage=True)
         logits, taps = self.target(torch.tensor(ids), meta)
         positions = [range(s.position + 1, s.position + 1 + block) for s in seqs]
         chosen = self._choose(logits, seqs, block, positions).view(bs, block)
@@ -90,7 +87,7 @@ class EagerEngine(Engine):
         else:
             accepted = torch.zeros(bs, dtype=torch.int64)
         if self.recurrent:
-            self.target.commit(torch.tensor([s.state_slot for s in seqs]), accepted + 1)
+            self.target.commit(torch.tensor([s.row for s in seqs]), accepted + 1)
         for seq, n, row in zip(seqs, accepted.tolist(), chosen.tolist()):
             before = len(seq.tokens)
             seq.append(seq.drafts[:n] + [row[n]])

@@ -11,7 +11,7 @@ from transformers import Qwen3Config
 from dflash.model import DFlash2DraftModel, DFlashDraftModel
 from dflash_batch.engine.engine import Engine
 from dflash_batch.engine.request import Completion, Request, SamplingParams
-from dflash_batch.engine.build import attach_drafter
+from dflash_batch.engine.pair import attach_drafter
 from dflash_batch.models.loader import load_model
 from dflash_batch.plan.buckets import Bucket
 from tests.tiny_models import make_qwen3_checkpoint, randomize_

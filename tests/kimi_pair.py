@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash_batch.engine.build import attach_drafter
+from dflash_batch.engine.pair import attach_drafter
 from dflash_batch.models.loader import load_model
 from tests.mla_drafter import (
     CONV_GROUP, CONV_TAPS, DN, DR, DV, HIDDEN, INTER, KL, LAYERS, QL, RANK, YARN, H, mla_drafter_tensors,

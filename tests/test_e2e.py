@@ -37,7 +37,7 @@ def _job(tmp_path: Path, pair, out: str, **sections) -> Path:
                    input={"passthrough_columns": ["group"]}, output={"dir": out, "rows_per_part": 4},
                    buckets=[{"max_tokens": 64}, {"max_tokens": 256}], **sections)
     doc["model"]["drafter"] = str(drafter)
-    doc["engine"]["max_num_seqs"] = 3
+    doc["engine"].update(max_num_seqs=3, compile=False)  # the compiled round: test_static_round.py
     write_job(tmp_path, doc, f"{out}.yaml")
     return tmp_path / f"{out}.yaml"
 

@@ -115,6 +115,8 @@ def test_config_hash_ignores_tuning_but_not_sampling():
 
 def test_validate_command(tmp_path):
     (tmp_path / "p.jsonl").write_text('{"prompt": "hi"}\n')
+    (tmp_path / "models" / "target").mkdir(parents=True)
+    (tmp_path / "models" / "target" / "config.json").write_text('{"architectures": ["Qwen3ForCausalLM"]}')
     good = with_("input.paths", ["p.jsonl"])
     (tmp_path / "good.yaml").write_text(yaml.safe_dump(good))
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(with_("sampling.top_k", -5, good)))
@@ -122,6 +124,10 @@ def test_validate_command(tmp_path):
     cli = [sys.executable, "-m", "dflash_batch.cli", "validate"]
     ok = subprocess.run([*cli, str(tmp_path / "good.yaml")], capture_output=True, text=True)
     assert ok.returncode == 0 and "ok" in ok.stdout
+    assert "engine: device=" in ok.stdout  # what this host would run, without running it
+    (tmp_path / "graphs.yaml").write_text(yaml.safe_dump(with_("engine.cudagraph_capture_sizes", [1, 2], good)))
+    refused = subprocess.run([*cli, str(tmp_path / "graphs.yaml")], capture_output=True, text=True)
+    assert refused.returncode == 2 and "cudagraph_capture_sizes is set but CUDA graphs are off" in refused.stderr
     bad = subprocess.run([*cli, str(tmp_path / "bad.yaml")], capture_output=True, text=True)
     assert bad.returncode == 2 and "sampling.top_k" in bad.stderr
     missing = subprocess.run([*cli, str(tmp_path / "nofile.yaml")], capture_output=True, text=True)

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from dflash_batch.engine.build import build_engine, check_pair
+from dflash_batch.build import build_engine
+from dflash_batch.engine.pair import check_pair
 from dflash_batch.engine.engine import Engine
 from dflash_batch.job import JobError, parse_job
 from dflash_batch.models.loader import load_model
@@ -114,7 +115,7 @@ def test_check_pair_refuses_drafter_that_does_not_fit(pairs, change, message):
     target_dir, drafter_dir = pairs["prefix"]
     target = load_model(target_dir)
     check_pair(target, drafter_with(drafter_dir))  # the pair itself fits
-    with pytest.raises(JobError, match=message):
+    with pytest.raises(ValueError, match=message):
         check_pair(target, drafter_with(drafter_dir, **change))
 
 

@@ -69,3 +69,24 @@ def test_static_round_equals_eager_round_kimi(kimi, sampling):
     got = outcomes(Engine(target, draft, capture_sizes=[2, 8]), reqs, b)
     assert got == want
     assert any(n for _, rounds, _, _ in want.values() for n in rounds), "no draft accepted"
+
+
+def test_compiled_round_equals_eager_round(qwen3):
+    """engine.compile (the CPU path): torch.compile of the round gives the eager round's tokens and
+    rounds, greedy and sampled, speculative and target-only, across buckets of different lengths
+    without compiling again per bucket."""
+    import torch._dynamo
+
+    target, draft = load_pair(qwen3["target"], qwen3["v2"])
+    eager, compiled = EagerEngine(target, draft), Engine(target, draft, compile=True)
+    buckets = [bucket(max_num_seqs=4, max_tokens=192), bucket(max_num_seqs=4, max_tokens=256)]
+    torch._dynamo.reset()
+    for name in SAMPLING:
+        reqs = requests(8, SAMPLING[name], stop_token_ids=(6,))
+        for b in buckets:
+            assert outcomes(compiled, reqs, b) == outcomes(eager, reqs, b), (name, b.max_tokens)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs == 2, f"{graphs} compilations for greedy + sampled over two buckets (want one each)"
+    plain = [bucket(max_num_seqs=4, max_tokens=192, speculation=False)]
+    reqs = requests(8, SAMPLING["greedy"], stop_token_ids=(6,))
+    assert outcomes(compiled, reqs, plain[0]) == outcomes(eager, reqs, plain[0])

@@ -55,6 +55,7 @@ class AttnMeta:
     state_ids: torch.Tensor | None = None  # [bs] recurrent-state slot of each sequence
     stage: bool = False         # verify: stage recurrent states per row instead of updating them
     dense: bool = False         # every sequence has q_max rows, in order: q_index is arange
+    rows_own_slots: bool = False  # sequence b owns slots b*S..(b+1)*S-1, S = max_pages*page_size
     name: str = "forward"       # which planned forward this is (backends plan per name)
     backend: AttentionBackend | None = None  # None: the torch reference
     derived: dict = field(default_factory=dict, repr=False)  # per-forward values layers share

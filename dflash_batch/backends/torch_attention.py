@@ -57,8 +57,8 @@ class TorchAttention:
         """Nothing to prepare (see plan)."""
 
     def write(self, cache: torch.Tensor, meta: AttnMeta, values: torch.Tensor) -> None:
-        n = cache.shape[0]
-        slots = meta.shared(("write_slots", n), lambda: torch.where(meta.slots >= 0, meta.slots, n - 1))
+        # Every cache one forward writes has the same slots (the engine allocates them together).
+        slots = meta.shared("write_slots", lambda: torch.where(meta.slots >= 0, meta.slots, cache.shape[0] - 1))
         cache.index_copy_(0, slots, values.to(cache.dtype))
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
@@ -73,9 +73,13 @@ class TorchAttention:
 
     @staticmethod
     def _gather(cache: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
-        """[bs, max_kv, kv_heads, d]: the cache rows of key positions 0..max_kv-1."""
+        """[bs, max_kv, kv_heads, d]: the cache rows of key positions 0..max_kv-1 (a view when
+        each sequence owns its run of slots, else a copy)."""
+        bs, stride = meta.block_tables.shape[0], meta.block_tables.shape[1] * meta.page_size
+        if meta.rows_own_slots and bs * stride <= cache.shape[0]:
+            return cache[:bs * stride].view(bs, stride, *cache.shape[1:])[:, :meta.max_kv]
         slots = meta.shared("key_slots", lambda: key_slots(meta).reshape(-1))
-        return cache.index_select(0, slots).view(meta.block_tables.shape[0], meta.max_kv, *cache.shape[1:])
+        return cache.index_select(0, slots).view(bs, meta.max_kv, *cache.shape[1:])
 
     @staticmethod
     def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttnMeta, scale: float,

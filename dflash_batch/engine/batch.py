@@ -1,10 +1,11 @@
 """A bucket's decoding state: every tensor a round touches, allocated once.
 
-Row r of each tensor belongs to the r-th running sequence; rows past the running ones are
-padding, made inert: no pages (slot -1, never written), budget 0 (nothing emitted, nothing
-counted), the scratch recurrent-state slot. Per-token sampling settings are stored expanded to
-the block ([rows, B]) so a round reads them as they lie. The host writes a row when a sequence
-starts decoding and moves rows down when sequences retire, so running rows stay 0..n-1.
+A sequence decodes in one row for its whole life (the row's pages and recurrent-state slot
+are its own); rows without a sequence are padding, made inert: no pages (slot -1, never
+written), budget 0 (nothing emitted, nothing counted), the scratch recurrent-state slot.
+Per-token sampling settings are stored expanded to the block ([rows, B]) so a round reads them
+as they lie. The host writes a row when its sequence starts decoding and clears it when the
+sequence retires.
 """
 
 from __future__ import annotations
@@ -35,8 +36,6 @@ class DecodeBatch:
         self.out = full((rows, block + 2), 0)          # a round's result: emitted | kept | finished
         self.q_index = torch.arange(rows * block, device=device).view(rows, block)
         self.no_rows = full((0,), 0)
-        self.per_row = [self.ids, self.pos, self.budget, self.tables, self.temperature, self.top_k, self.top_p,
-                        self.seed, self.stop_ids, self.state_slot]
         self.reshaped = False  # set when a tensor had to grow (CUDA graphs must be captured again)
 
     def put(self, row: int, seq: Sequence) -> None:
@@ -47,7 +46,7 @@ class DecodeBatch:
             self._grow_stops(len(stops))
         host = {self.pos: seq.position, self.budget: p.max_new_tokens - len(seq.tokens),
                 self.temperature: p.temperature, self.top_k: p.top_k, self.top_p: p.top_p, self.seed: p.seed,
-                self.state_slot: seq.state_slot}
+                self.state_slot: seq.row}
         for tensor, value in host.items():
             tensor[row] = value
         self.ids[row, 0] = seq.tokens[-1]
@@ -57,21 +56,15 @@ class DecodeBatch:
         if stops:
             self.stop_ids[row, :len(stops)] = torch.tensor(stops, device=self.device)
 
-    def move(self, src: list[int], dst: list[int]) -> None:
-        """Copy rows src to rows dst (retired sequences' rows get the last running ones)."""
-        s, d = (torch.tensor(x, device=self.device) for x in (src, dst))
-        for tensor in self.per_row:
-            tensor[d] = tensor[s]
-
-    def clear(self, start: int, stop: int) -> None:
-        """Make rows start..stop-1 padding."""
-        self.tables[start:stop] = -1
-        self.budget[start:stop] = 0
-        self.pos[start:stop] = 0
-        self.state_slot[start:stop] = self.scratch_state
+    def clear(self, row: int) -> None:
+        """Make a row padding."""
+        self.tables[row] = -1
+        self.budget[row] = 0
+        self.pos[row] = 0
+        self.state_slot[row] = self.scratch_state
 
     def _grow_stops(self, width: int) -> None:
         grown = torch.full((self.rows, width), -1, dtype=torch.int64, device=self.device)
         grown[:, :self.stop_ids.shape[1]] = self.stop_ids
-        self.per_row[self.per_row.index(self.stop_ids)] = self.stop_ids = grown
+        self.stop_ids = grown
         self.reshaped = True

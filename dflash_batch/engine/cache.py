@@ -1,8 +1,12 @@
-"""Paged KV memory: a fixed pool of pages, and the row layout of one forward over it.
+"""Paged KV memory: the pages a batch row owns, and the row layout of one forward over them.
 
 The target's caches and the drafter's caches are indexed by the same slots: the drafter's
 context row for a token lives at that token's target slot (TokenSpeed shares the page space the
-same way), so one page table per sequence serves both models.
+same way), so one page table per sequence serves both models. Each row of a bucket's batch owns
+a fixed run of pages, enough for the bucket's longest sequence (prompt + max_new_tokens + a
+block), and the sequence decoding in that row uses them: every sequence fits, none waits for
+pages. Sequences still carry page tables, so attention backends take any layout; the torch
+backend reads keys in place when a forward's rows are batch rows 0..n-1 (AttnMeta.rows_own_slots).
 """
 
 from __future__ import annotations
@@ -14,23 +18,9 @@ import torch
 from dflash_batch.backends.meta import AttentionBackend, AttnMeta
 
 
-class PagePool:
-    def __init__(self, num_pages: int, page_size: int):
-        self.page_size = page_size
-        self.num_pages = num_pages
-        self.free = list(range(num_pages - 1, -1, -1))
-
-    def pages_for(self, tokens: int) -> int:
-        return -(-tokens // self.page_size)
-
-    def allocate(self, tokens: int) -> list[int]:
-        n = self.pages_for(tokens)
-        if n > len(self.free):
-            raise RuntimeError(f"KV pool exhausted: need {n} pages, {len(self.free)} free")
-        return [self.free.pop() for _ in range(n)]
-
-    def release(self, pages: list[int]) -> None:
-        self.free.extend(pages)
+def row_pages(row: int, pages_per_row: int) -> list[int]:
+    """The pages batch row `row` owns."""
+    return list(range(row * pages_per_row, (row + 1) * pages_per_row))
 
 
 @dataclass

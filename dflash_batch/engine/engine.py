@@ -2,17 +2,19 @@
 
 A step is either a prefill step (prompt chunks of newly admitted sequences, under the token
 budget; a sequence whose prompt completes gets its first token) or one round (round.py) for
-every decoding sequence. Rounds run on a DecodeBatch, state allocated once per bucket: the
-round is a function of its tensors, padded to the next capture size, and CUDA graphs replay it
-where they are on. After a round the host reads back one small tensor (the emitted tokens, how
+every decoding sequence. Rounds run on a DecodeBatch, state allocated once per bucket, where
+each sequence keeps one row (and the row's pages) for its life: the round is a function of its
+tensors, over rows 0..n-1 padded to the next capture size, and CUDA graphs replay it where
+they are on. After a round the host reads back one small tensor (the emitted tokens, how
 many were kept, and why a row finished) to extend each sequence, check stop strings, retire
-finished sequences and admit new ones.
+finished sequences and admit new ones into the freed rows.
 """
 
 from __future__ import annotations
 
+import heapq
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -20,22 +22,30 @@ import kernels
 from dflash_batch.backends.meta import AttentionBackend
 from dflash_batch.backends.torch_attention import TORCH
 from dflash_batch.engine.batch import DecodeBatch
-from dflash_batch.engine.cache import PagePool, SeqRows, build_meta
+from dflash_batch.engine.cache import SeqRows, build_meta, row_pages
 from dflash_batch.engine.graphs import RoundGraphs
 from dflash_batch.engine.request import Completion, Request
 from dflash_batch.engine.round import Round
 from dflash_batch.engine.sampling import choose_tokens
 from dflash_batch.engine.sequence import Sequence
+from dflash_batch.models.dflash import top1
 from dflash_batch.plan.buckets import Bucket
 
 STOP = 1  # kernels.accept's finished code for a stop token (2: the budget is spent)
+
+
+def runtime_tensors(models: list[torch.nn.Module]) -> list[torch.Tensor]:
+    """Tensors the models keep as plain module attributes (caches: runtime state, not weights)."""
+    return [v for model in models for module in model.modules() for v in vars(module).values()
+            if isinstance(v, torch.Tensor)]
 
 
 class Engine:
     def __init__(self, target, drafter=None, decode=None, *, page_size: int = 16,
                  max_num_batched_tokens: int = 8192, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", attention: AttentionBackend = TORCH,
-                 capture_sizes: list[int] | None = None, cuda_graphs: bool = False):
+                 capture_sizes: list[int] | None = None, cuda_graphs: bool = False, compile: bool = False,
+                 log: Callable[[str], None] | None = None):
         self.target, self.drafter = target, drafter
         self.vocab_size: int = target.vocab_size
         # Hybrid targets (KDA) keep per-sequence recurrent state that verify stages and commit picks.
@@ -46,43 +56,52 @@ class Engine:
         self.attention, self.ops = attention, kernels.ops(device)
         # Batch sizes a round runs at (a batch is padded up to the next one); None: exact sizes.
         self.capture_sizes = sorted(capture_sizes) if capture_sizes else None
-        self.cuda_graphs = cuda_graphs
+        self.cuda_graphs, self.compile = cuda_graphs, compile
+        self.log = log or (lambda line: None)
+        self.rounds: dict[int, Round] = {}  # by block size: compiled code is kept across buckets
 
     # -- public --------------------------------------------------------------------------------
     def generate(self, requests: Iterable[Request], bucket: Bucket) -> Iterator[Completion]:
         block = self._block_size(bucket)
-        pages_per_seq = -(-(bucket.max_tokens + block) // self.page_size)
-        pool = PagePool(bucket.max_num_seqs * pages_per_seq, self.page_size)
-        # One page past the pool is scratch: padding rows write there and nothing reads it.
-        num_slots = (pool.num_pages + 1) * self.page_size
-        for model in (self.target, self.drafter if block > 1 else None):
-            if model is not None:
-                model.allocate_cache(num_slots, self.dtype, self.device)
-        rows = self._padded(bucket.max_num_seqs)
-        if self.recurrent:  # slot max_num_seqs is the padding rows' scratch
-            self.target.allocate_state(bucket.max_num_seqs + 1, rows, block, self.device)
-        batch = DecodeBatch(rows, block, pages_per_seq, bucket.max_num_seqs, self.device)
-        step = Round(self.target, self.drafter, block, self.page_size, self.ops, self.attention)
+        seqs = bucket.max_num_seqs
+        pages_per_row = -(-(bucket.max_tokens + block) // self.page_size)
+        # One page past the rows' pages is scratch: padding rows write there and nothing reads it.
+        num_slots = (seqs * pages_per_row + 1) * self.page_size
+        models = [m for m in (self.target, self.drafter if block > 1 else None) if m is not None]
+        cache_bytes = sum(model.allocate_cache(num_slots, self.dtype, self.device) for model in models)
+        if self.compile:
+            for cache in runtime_tensors(models):
+                # Cache lengths change with the bucket: symbolic, or each bucket compiles again.
+                torch._dynamo.mark_dynamic(cache, 0)
+        rows = self._padded(seqs)
+        if self.recurrent:  # a state slot per row; slot `seqs` is the padding rows' scratch
+            self.target.allocate_state(seqs + 1, rows, block, self.device)
+        batch = DecodeBatch(rows, block, pages_per_row, seqs, self.device)
+        self.log(f"bucket {bucket.name}: {seqs} rows of {pages_per_row * self.page_size} slots, block {block}, "
+                 f"KV caches {cache_bytes / 2**20:.1f} MiB")
+        if block not in self.rounds:
+            self.rounds[block] = Round(self.target, self.drafter, block, self.page_size, self.ops, self.attention,
+                                       self.compile)
+        step = self.rounds[block]
         graphs = None
         if self.cuda_graphs:
-            graphs = RoundGraphs(step, batch, self.capture_sizes, pages_per_seq * self.page_size)
-        free_states = list(range(bucket.max_num_seqs))
+            graphs = RoundGraphs(step, batch, self.capture_sizes, pages_per_row * self.page_size)
+        free_rows = list(range(seqs))  # a heap: new sequences take the lowest row
         pending = iter(requests)
         prefilling: list[Sequence] = []
-        running: list[Sequence] = []   # running[i] decodes in row i of the batch
+        running: list[Sequence | None] = [None] * seqs  # the sequence decoding in each row
         exhausted = False
-        with torch.inference_mode():
+        with torch.no_grad():
             while True:
-                while not exhausted and len(prefilling) + len(running) < bucket.max_num_seqs:
+                while not exhausted and free_rows:
                     req = next(pending, None)
                     if req is None:
                         exhausted = True
                         break
-                    capacity = len(req.prompt_ids) + req.params.max_new_tokens + block
-                    slot = free_states.pop()
+                    row = heapq.heappop(free_rows)
                     if self.recurrent:
-                        self.target.reset_state(slot)  # a freed slot still holds its last sequence's state
-                    prefilling.append(Sequence(req, pool.allocate(capacity), block, slot))
+                        self.target.reset_state(row)  # the row's slot still holds its last sequence's state
+                    prefilling.append(Sequence(req, row_pages(row, pages_per_row), block, row))
                 finished: list[Sequence] = []
                 if prefilling:
                     for seq in self._prefill_step(prefilling, block):
@@ -90,16 +109,18 @@ class Engine:
                         if seq.finish_reason:
                             finished.append(seq)
                         else:
-                            batch.put(len(running), seq)
-                            running.append(seq)
-                elif running:
+                            batch.put(seq.row, seq)
+                            running[seq.row] = seq
+                elif any(running):
                     self._round(batch, running, step, graphs, block)
-                    finished = self._retire(batch, running)
+                    finished = [s for s in running if s is not None and s.finish_reason]
                 else:
                     return
                 for seq in finished:
-                    pool.release(seq.pages)
-                    free_states.append(seq.state_slot)
+                    if running[seq.row] is seq:
+                        running[seq.row] = None
+                        batch.clear(seq.row)
+                    heapq.heappush(free_rows, seq.row)
                     yield seq.completion(self.decode)
 
     # -- steps ---------------------------------------------------------------------------------
@@ -109,8 +130,9 @@ class Engine:
         return bucket.block_size or self.drafter.block_size
 
     def _padded(self, n: int) -> int:
-        """The batch size a round of n sequences runs at: the next capture size, if any fits."""
-        return next((s for s in self.capture_sizes or () if s >= n), n)
+        """The batch size a round of n sequences runs at: the next capture size, if any fits
+        (compiled rounds run at 2 or more: size 1 would be specialised and compiled again)."""
+        return next((s for s in self.capture_sizes or () if s >= n), max(n, 2) if self.compile else n)
 
     def _prefill_step(self, seqs: list[Sequence], block: int) -> list[Sequence]:
         """Run the next prompt chunk of as many sequences as the token budget allows; returns
@@ -131,7 +153,7 @@ class Engine:
             if seq.prefilled == len(seq.prompt):
                 last_rows.append(row - 1)
                 finishing.append(seq)
-        meta = build_meta(rows, self.page_size, last_rows, self.device, [s.state_slot for s in chunked],
+        meta = build_meta(rows, self.page_size, last_rows, self.device, [s.row for s in chunked],
                           backend=self.attention, name="prefill")
         self.attention.plan(meta)
         logits, taps = self.target(torch.tensor(ids, dtype=torch.int64, device=self.device), meta)
@@ -149,7 +171,7 @@ class Engine:
         """The token after each prompt (its coin: the position it takes, the prompt's length)."""
         params = [s.params for s in seqs]
         if all(p.temperature <= 0 for p in params):
-            return logits.argmax(-1)
+            return top1(logits)
 
         def col(values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=self.device)
@@ -158,19 +180,22 @@ class Engine:
                              col([p.top_k for p in params]), col([p.top_p for p in params], torch.float32),
                              col([p.seed for p in params]), col([len(s.prompt) for s in seqs]), self.ops.sample)
 
-    def _round(self, batch: DecodeBatch, running: list[Sequence], step: Round, graphs: RoundGraphs | None,
-               block: int) -> None:
-        """One round for every running sequence; extends each with what it emitted."""
-        n = len(running)
+    def _round(self, batch: DecodeBatch, running: list[Sequence | None], step: Round,
+               graphs: RoundGraphs | None, block: int) -> None:
+        """One round for rows 0..n-1, n past the last running sequence (rows without one are
+        padding); extends each sequence with what it emitted."""
+        n = max(i for i, s in enumerate(running) if s is not None) + 1
         size = self._padded(n)
-        greedy = all(s.params.temperature <= 0 for s in running)
-        positions = [s.position for s in running]
+        greedy = all(s.params.temperature <= 0 for s in running[:n] if s is not None)
+        positions = [s.position if s is not None else 0 for s in running[:n]]
         self.attention.plan_round(batch, size, positions, block)
         if graphs is not None and graphs.covers(size):
             graphs.replay(size, greedy)
         else:
             step(batch, size, greedy, max(positions) + block)
-        for seq, row in zip(running, batch.out[:n].tolist()):
+        for seq, row in zip(running[:n], batch.out[:n].tolist()):
+            if seq is None:
+                continue
             before, kept = len(seq.tokens), row[block]
             seq.tokens += row[:kept]
             if row[block + 1]:
@@ -180,16 +205,3 @@ class Engine:
             if seq.spec is not None:
                 # Counted after a stop string's cut too: the round keeps only tokens up to it.
                 seq.spec.per_round.append(len(seq.tokens) - before - 1)
-
-    @staticmethod
-    def _retire(batch: DecodeBatch, running: list[Sequence]) -> list[Sequence]:
-        """Take finished sequences out; the running ones move down to rows 0..n-1 in order."""
-        finished = [s for s in running if s.finish_reason]
-        if finished:
-            stay = [i for i, s in enumerate(running) if not s.finish_reason]
-            moved = [(i, new) for new, i in enumerate(stay) if i != new]
-            if moved:
-                batch.move([i for i, _ in moved], [new for _, new in moved])
-            batch.clear(len(stay), len(running))
-            running[:] = [running[i] for i in stay]
-        return finished

@@ -30,19 +30,29 @@ import torch
 from dflash_batch.backends.meta import AttentionBackend, AttnMeta
 from dflash_batch.engine.batch import DecodeBatch
 from dflash_batch.engine.sampling import choose_tokens
+from dflash_batch.models.dflash import top1
 
 
 class Round:
+    """`compile`: run the round through torch.compile (inductor fuses it into C++ loops on the
+    CPU, ~1.7x there); batch sizes and key lengths are symbolic, so one compilation serves every
+    round of every bucket with this block size (a size of 1 would be compiled again: the engine
+    pads to 2)."""
+
     def __init__(self, target, drafter, block: int, page_size: int, ops: SimpleNamespace,
-                 attention: AttentionBackend):
+                 attention: AttentionBackend, compile: bool = False):
         self.target, self.drafter, self.block = target, drafter if block > 1 else None, block
         self.page_size, self.ops, self.attention = page_size, ops, attention
         self.recurrent = hasattr(target, "commit")
         self.mask_id = self.drafter.mask_token_id if self.drafter is not None else 0
+        self.step = torch.compile(self.run, dynamic=True) if compile else self.run
 
     def __call__(self, batch: DecodeBatch, n: int, greedy: bool, max_kv: int) -> None:
         """Decode one round for rows 0..n-1; the result lands in batch.out[:n]. `greedy`: every
         row has temperature 0 (skips the sampler); `max_kv`: a host-side bound on key lengths."""
+        self.step(batch, n, greedy, max_kv)
+
+    def run(self, batch: DecodeBatch, n: int, greedy: bool, max_kv: int) -> None:
         B, b = self.block, batch
         ids = b.ids[:n]
         draft_ids, positions, slots, draft_kv, verify_kv = self.ops.prepare(
@@ -51,7 +61,7 @@ class Round:
         def meta(name: str, kv_lens: torch.Tensor, **extra) -> AttnMeta:
             return AttnMeta(positions=positions, slots=slots, q_index=b.q_index[:n],
                             q_positions=positions.view(n, B), kv_lens=kv_lens, block_tables=b.tables[:n],
-                            page_size=self.page_size, max_kv=max_kv, dense=True, name=name,
+                            page_size=self.page_size, max_kv=max_kv, dense=True, rows_own_slots=True, name=name,
                             backend=self.attention, **extra)
 
         if self.drafter is not None:
@@ -61,7 +71,7 @@ class Round:
                       state_ids=b.state_slot[:n], stage=self.recurrent)
         logits, taps = self.target(ids.reshape(-1), verify)
         if greedy:
-            chosen = logits.argmax(-1)
+            chosen = top1(logits)
         else:
             chosen = choose_tokens(logits, b.temperature[:n].reshape(-1), b.top_k[:n].reshape(-1),
                                    b.top_p[:n].reshape(-1), b.seed[:n].reshape(-1), positions + 1,

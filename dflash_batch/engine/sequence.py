@@ -8,9 +8,9 @@ from dflash_batch.engine.request import Completion, Request, SpecCounters
 
 
 class Sequence:
-    def __init__(self, request: Request, pages: list[int], block_size: int, state_slot: int):
+    def __init__(self, request: Request, pages: list[int], block_size: int, row: int):
         self.request = request
-        self.state_slot = state_slot       # the target's recurrent-state slot (hybrid targets)
+        self.row = row                     # its batch row, and its recurrent-state slot (hybrid targets)
         self.params = request.params
         self.prompt = request.prompt_ids
         self.pages = pages

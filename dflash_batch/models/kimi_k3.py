@@ -312,11 +312,15 @@ class KimiK3ForConditionalGeneration(nn.Module):
             raise ValueError(f"aux_hidden_stream must be prefix or attn_res, got {stream!r}")
         self.tap_ids, self.tap_stream = sorted(layer_ids), stream or "prefix"
 
-    def allocate_cache(self, num_slots: int, dtype: torch.dtype, device) -> None:
+    def allocate_cache(self, num_slots: int, dtype: torch.dtype, device) -> int:
+        """The MLA layers' latent caches of `num_slots` slots; returns their bytes."""
+        total = 0
         for layer in self.model.layers:
             if not layer.is_kda:
                 attn = layer.self_attn
                 attn.cache = torch.zeros(num_slots, 1, attn.kl + attn.dr, dtype=dtype, device=device)
+                total += attn.cache.nbytes
+        return total
 
     def allocate_state(self, slots: int, batch: int, rows: int, device) -> None:
         """Recurrent state for `slots` sequences, and staging for verifies of `batch` sequences

@@ -127,32 +127,77 @@ def _full_shape(param: nn.Parameter) -> list[int]:
     return shape
 
 
+@dataclass(frozen=True)
+class _Target:
+    """Where a checkpoint tensor goes: a whole parameter, or one part of a packed one (rows
+    `rows` of the parameter on this rank; `shape` is the part's full checkpoint shape)."""
+
+    name: str
+    param: nn.Parameter
+    shape: list[int]
+    rows: slice | None = None
+
+    def fill(self, tensor: torch.Tensor) -> None:
+        (self.param.data if self.rows is None else self.param.data[self.rows]).copy_(tensor)
+
+
+def _targets(model: nn.Module) -> dict[str, _Target]:
+    """Every checkpoint-side name the model expects, with where its tensor goes. A parameter
+    with `packed` [(part, full rows), ...] (linear.MergedColumnLinear) stands for one checkpoint
+    tensor per part, named as sibling modules of the packed one."""
+    targets = {}
+    for name, param in model.named_parameters():
+        packed = getattr(param, "packed", None)
+        if packed is None:
+            targets[name] = _Target(name, param, _full_shape(param))
+            continue
+        module, leaf = name.rsplit(".", 2)[0], name.rsplit(".", 1)[1]
+        start = 0
+        for part, rows in packed:
+            local = rows // parallel.world_size()
+            shape = [rows, *param.shape[1:]]
+            targets[f"{module}.{part}.{leaf}"] = _Target(name, param, shape, slice(start, start + local))
+            start += local
+    return targets
+
+
+def checkpoint_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weights under the names load_weights reads them by (packed parameters split
+    into their parts), for a model built on one rank."""
+    state = {name: p.detach() for name, p in model.named_parameters() if getattr(p, "packed", None) is None}
+    for name, target in _targets(model).items():
+        if target.rows is not None:
+            state[name] = target.param.detach()[target.rows]
+    return state
+
+
 def load_weights(model: nn.Module, path: str | Path) -> None:
     path = Path(path)
     rename = getattr(model, "checkpoint_name", lambda name: name)
-    params = dict(model.named_parameters())
+    targets = _targets(model)
     tensors, problems = _checkpoint_tensors(path)
 
     # Plan: which source fills which parameter; collect every problem before reading data.
     # Sources report their own problems as "kind: detail" lines naming checkpoint tensors.
-    plan: list[tuple[_Plain | quant.QuantizedWeight, nn.Parameter]] = []
+    plan: list[tuple[_Plain | quant.QuantizedWeight, _Target]] = []
     unexpected, filled = [], set()
     for weight, source in _sources(tensors):
         name = rename(weight)
         if name is None:
             continue
-        if name not in params or name in filled:
+        if name not in targets or name in filled:
             unexpected += [n for n in source.names if n in tensors]
             continue
         filled.add(name)
-        plan.append((source, params[name]))
-        expected = _full_shape(params[name])
-        if getattr(params[name], "checkpoint_padded", False) and weight in tensors:
+        target = targets[name]
+        plan.append((source, target))
+        expected = list(target.shape)
+        if getattr(target.param, "checkpoint_padded", False) and weight in tensors:
             # Stored longer than the model uses (Kimi's A_log pads heads with zeros): the rank
             # slice is cut from the first entries, so only a shorter checkpoint is an error.
             expected[0] = max(expected[0], tensors[weight].shape[0])
         problems += source.problems(tensors, expected)
-    missing = sorted(set(params) - filled)
+    missing = sorted(set(targets) - filled)
 
     if missing or unexpected or problems:
         lines = [f"checkpoint {path} does not match {type(model).__name__}:"]
@@ -171,9 +216,9 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
             return opened[file].get_slice(name)
 
         # File by file, so each file's pages are read together; a pair may span two files.
-        for source, param in sorted(plan, key=lambda entry: tensors[entry[0].names[0]].file):
-            index = _rank_slice(_full_shape(param), getattr(param, "shard_dim", None))
-            param.data.copy_(source.load(read, index, param.dtype))
+        for source, target in sorted(plan, key=lambda entry: tensors[entry[0].names[0]].file):
+            index = _rank_slice(target.shape, getattr(target.param, "shard_dim", None))
+            target.fill(source.load(read, index, target.param.dtype))
 
 
 @contextmanager

@@ -1,7 +1,8 @@
 """Qwen3 dense decoder as a DFlash target: paged-KV forward that also returns tapped hidden states.
 
-Module names mirror the Hugging Face checkpoint (`model.layers.{i}.self_attn.q_proj`, ...) so the
-loader maps tensors 1:1. Rows of all sequences in a step are packed into one [T, ...] batch;
+Module names mirror the Hugging Face checkpoint (`model.layers.{i}.self_attn.o_proj`, ...) so the
+loader maps tensors 1:1, except q|k|v and gate|up, each one matmul here (MergedColumnLinear) and
+loaded from their separate checkpoint tensors. Rows of all sequences in a step are packed into one [T, ...] batch;
 `AttnMeta` says which rows belong to which sequence and where their K/V live in the paged cache.
 """
 
@@ -13,13 +14,13 @@ from torch import nn
 from dflash_batch.backends.meta import AttnMeta
 from dflash_batch.models.layers.activation import silu_and_mul
 from dflash_batch.models.layers.linear import (
-    ColumnParallelLinear,
+    MergedColumnLinear,
     ParallelLMHead,
     per_rank,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from dflash_batch.models.layers.norm import RMSNorm
+from dflash_batch.models.layers.norm import RMSNorm, rms_norm
 from dflash_batch.models.layers.rope import apply_rope, rope_from_config
 
 
@@ -35,9 +36,8 @@ class Qwen3Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         bias = bool(config.get("attention_bias", False))
         eps = config["rms_norm_eps"]
-        self.q_proj = ColumnParallelLinear(hidden, heads * self.head_dim, bias)
-        self.k_proj = ColumnParallelLinear(hidden, kv_heads * self.head_dim, bias)
-        self.v_proj = ColumnParallelLinear(hidden, kv_heads * self.head_dim, bias)
+        self.qkv_proj = MergedColumnLinear(hidden, {"q_proj": heads * self.head_dim, "k_proj": kv_heads * self.head_dim,
+                                                    "v_proj": kv_heads * self.head_dim}, bias)
         self.o_proj = RowParallelLinear(heads * self.head_dim, hidden, bias)
         # Qwen3 normalises each head's q and k (over head_dim) before RoPE.
         self.q_norm = RMSNorm(self.head_dim, eps)
@@ -47,11 +47,12 @@ class Qwen3Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
-        T = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(T, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        T, H, K = x.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(T, H + 2 * K, self.head_dim)
+        # One norm and one rotation over the q|k heads, each head with its own side's weight.
+        weight = torch.cat([self.q_norm.weight.expand(H, -1), self.k_norm.weight.expand(K, -1)])
+        qk = apply_rope(rms_norm(qkv[:, :H + K], weight, self.q_norm.eps), cos, sin)
+        q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + K:]
         attention = meta.attention
         attention.write(self.k_cache, meta, k)
         attention.write(self.v_cache, meta, v)
@@ -63,12 +64,11 @@ class Qwen3MLP(nn.Module):
     def __init__(self, config: dict):
         super().__init__()
         hidden, inter = config["hidden_size"], config["intermediate_size"]
-        self.gate_proj = ColumnParallelLinear(hidden, inter)
-        self.up_proj = ColumnParallelLinear(hidden, inter)
+        self.gate_up_proj = MergedColumnLinear(hidden, {"gate_proj": inter, "up_proj": inter})
         self.down_proj = RowParallelLinear(inter, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -126,12 +126,14 @@ class Qwen3ForCausalLM(nn.Module):
             return None
         return name
 
-    def allocate_cache(self, num_slots: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    def allocate_cache(self, num_slots: int, dtype: torch.dtype, device: torch.device | str) -> int:
+        """K and V caches of `num_slots` slots in every layer; returns their bytes."""
         for layer in self.model.layers:
             attn = layer.self_attn
             shape = (num_slots, attn.num_kv_heads, attn.head_dim)
             attn.k_cache = torch.zeros(shape, dtype=dtype, device=device)
             attn.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        return 2 * len(self.model.layers) * attn.k_cache.nbytes
 
     def set_taps(self, layer_ids: list[int], stream: str | None = None) -> None:
         """Taps are the residual stream after each layer (transformers' hidden_states[L+1])."""

@@ -18,6 +18,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from dflash_batch.models.loader import checkpoint_state_dict
+
 FP32_SUFFIXES = ("A_log", "dt_bias", "q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight",
                  "o_norm.weight", "gate.e_score_correction_bias")
 
@@ -27,7 +29,7 @@ def save(model: nn.Module, config: dict, directory: str | Path, dtype: torch.dty
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     tensors = {}
-    for name, t in model.state_dict().items():
+    for name, t in checkpoint_state_dict(model).items():
         keep = name.endswith(FP32_SUFFIXES)
         tensors[prefix + name] = t.detach().to(torch.float32 if keep else dtype).contiguous().clone()
     config = {**config, "torch_dtype": str(dtype).removeprefix("torch.")}

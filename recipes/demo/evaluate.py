@@ -20,7 +20,7 @@ import torch
 
 from dflash_batch.engine.engine import Engine
 from dflash_batch.engine.request import Request, SamplingParams
-from dflash_batch.engine.build import attach_drafter
+from dflash_batch.engine.pair import attach_drafter
 from dflash_batch.models.loader import load_model
 from dflash_batch.plan.buckets import Bucket
 from dflash_batch.plan.tokenize import Tokenizer, stop_token_ids

@@ -6,5 +6,7 @@ import torch
 import torch.nn.functional as F
 
 
-def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a [..., 2 * inter] gate|up projection."""
+    gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

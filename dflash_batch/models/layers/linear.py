@@ -52,6 +52,25 @@ class ColumnParallelLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+class MergedColumnLinear(nn.Module):
+    """Column-parallel projections of one input in one matmul (q|k|v, gate|up). The checkpoint
+    keeps them apart, as sibling modules named by `parts` (name -> output features): each part
+    is cut across ranks on its own, and this rank's slices lie side by side in part order."""
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool = False):
+        super().__init__()
+        self.sizes = [per_rank(n, f"{name} out_features") for name, n in parts.items()]
+        self.weight = new_param((sum(self.sizes), in_features), 0)
+        self.weight.packed = list(parts.items())
+        self.bias = None
+        if bias:
+            self.bias = new_param((sum(self.sizes),), 0)
+            self.bias.packed = list(parts.items())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
 class RowParallelLinear(nn.Module):
     """Input features split across ranks; partial outputs are summed with an all-reduce."""
 

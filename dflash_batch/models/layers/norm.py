@@ -7,10 +7,12 @@ from torch import nn
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalised in float32, cast back, then scaled (as transformers does in half precision)."""
+    if x.dtype == torch.float32:  # no casts: each costs an op per call on small batches
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
     dtype = x.dtype
     x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
 
 
 class RMSNorm(nn.Module):

@@ -49,28 +49,27 @@ class RotaryEmbedding(nn.Module):
         self.attention_scaling = attention_scaling
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T] -> cos, sin [T, dim]: the dim/2 angles twice over (the rotate-half layout)."""
+        """[T] -> cos, sin [T, 1, dim] (broadcast over heads): the dim/2 angles twice over, with
+        the first half of sin negated. Rotate-half RoPE is then x*cos + roll(x, dim/2)*sin, and
+        the second halves hold each pair's angle once, as the interleaved layout reads them."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        cos, sin = freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling
+        return torch.cat([cos, cos], dim=-1)[:, None], torch.cat([-sin, sin], dim=-1)[:, None]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half layout. x: [T, heads, dim]; cos/sin: [T, dim] from RotaryEmbedding."""
-    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
-    return x * cos + _rotate_half(x) * sin
+    """Rotate-half layout: x*cos + rotate_half(x)*sin_angles, rotate_half(x) = [-x2, x1] being
+    roll(x, dim/2) * [-1, 1]. x: [T, heads, dim]; cos/sin from RotaryEmbedding."""
+    if cos.dtype != x.dtype:
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin)
 
 
 def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Interleaved layout: pair i is (x[2i], x[2i+1]). x: [T, heads, dim]; cos/sin: [T, dim] from
-    RotaryEmbedding, whose first half holds each pair's angle once."""
+    """Interleaved layout: pair i is (x[2i], x[2i+1]). x: [T, heads, dim]; cos/sin from
+    RotaryEmbedding (its second halves hold each pair's angle once)."""
     half = x.shape[-1] // 2
-    cos, sin = cos[:, None, :half].to(x.dtype), sin[:, None, :half].to(x.dtype)
+    cos, sin = cos[..., half:].to(x.dtype), sin[..., half:].to(x.dtype)
     even, odd = x[..., 0::2], x[..., 1::2]
     return torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten(-2)
 

@@ -1,0 +1,139 @@
+"""From a job to an engine: which device, attention backend, CUDA graphs and compilation the
+job's settings and this host allow (refusing any setting that cannot take effect, with the
+reason), then the loaded, paired models. The engine itself knows nothing of jobs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from dflash_batch import parallel
+from dflash_batch.engine.engine import Engine
+from dflash_batch.engine.pair import attach_drafter
+from dflash_batch.job import Job, JobError
+from dflash_batch.models.dflash import draft_value
+from dflash_batch.models.loader import load_config, load_model
+from dflash_batch.plan.tokenize import Tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Targets whose forward reads nothing on the host and runs on every backend: the rounds of
+# these (with any DFlash drafter) can be captured as CUDA graphs or compiled.
+STATIC_TARGETS = ("Qwen3ForCausalLM",)
+
+
+@dataclass(frozen=True)
+class EngineSetup:
+    device: str
+    backend: str                    # "torch" | "flashinfer"
+    cuda_graphs: bool
+    compile: bool
+    capture_sizes: list[int] | None
+
+    def describe(self) -> str:
+        graphs = f"on, sizes {self.capture_sizes}" if self.cuda_graphs else "off"
+        padded = f", rounds padded to {self.capture_sizes}" if self.capture_sizes and not self.cuda_graphs else ""
+        return (f"engine: device={self.device} backend={self.backend} cuda_graphs={graphs} "
+                f"compile={'on' if self.compile else 'off'}{padded}")
+
+
+def _architecture(path: str, role: str) -> tuple[str, str]:
+    """(architecture, DFlash attention mode) from a checkpoint's config.json."""
+    try:
+        config = load_config(path)
+    except (OSError, ValueError) as e:
+        raise JobError(f"model.{role} {path}: {e}") from None
+    text = config.get("text_config", config)
+    return (config.get("architectures") or ["?"])[0], draft_value(text, "attention_mode", "gqa")
+
+
+def resolve_engine(job: Job, cuda: bool | None = None, flashinfer: bool | None = None) -> EngineSetup:
+    """The engine settings this job gets on this host (`cuda`, `flashinfer`: what the host has;
+    None = look). A setting that cannot take effect is a JobError naming it and why."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    flashinfer = importlib.util.find_spec("flashinfer") is not None if flashinfer is None else flashinfer
+    e, tp = job.engine, job.model.tensor_parallel_size
+    target, _ = _architecture(job.model.target, "target")
+    mode = _architecture(job.model.drafter, "drafter")[1] if job.model.drafter else "gqa"
+    static = target in STATIC_TARGETS
+
+    why_not_flashinfer = (
+        "it needs a CUDA device and this host has none" if not cuda else
+        "flashinfer is not installed (pip install flashinfer-python)" if not flashinfer else
+        f"it runs GQA attention only, and {target} with a {mode} drafter is not that (it runs on the "
+        "torch backend until the MLA path lands)" if target not in STATIC_TARGETS or mode != "gqa" else None)
+    if e.backend == "flashinfer" and why_not_flashinfer:
+        raise JobError(f"engine.backend: flashinfer cannot run here: {why_not_flashinfer}")
+    backend = "flashinfer" if e.backend != "torch" and why_not_flashinfer is None else "torch"
+    # backend: torch is the CPU reference path, even on a CUDA host.
+    device = "cuda" if cuda and e.backend != "torch" else "cpu"
+
+    why_no_graphs = (
+        "they need a CUDA device (this host has none, or engine.backend is torch)" if device != "cuda" else
+        f"{target} reads lengths on the host inside its forward" if not static else
+        "tensor_parallel_size > 1 is not captured yet" if tp > 1 else None)
+    if e.cuda_graphs and why_no_graphs:
+        raise JobError(f"engine.cuda_graphs: true cannot take effect: {why_no_graphs}")
+    graphs = why_no_graphs is None if e.cuda_graphs is None else e.cuda_graphs
+
+    why_no_compile = (
+        "compilation is the CPU path (on a GPU the round runs under CUDA graphs)" if device != "cpu" else
+        f"{target} reads lengths on the host inside its forward" if not static else
+        "tensor_parallel_size > 1 is not compiled yet" if tp > 1 else None)
+    if e.compile and why_no_compile:
+        raise JobError(f"engine.compile: true cannot take effect: {why_no_compile}")
+    compiled = why_no_compile is None if e.compile is None else e.compile
+
+    largest = max(b.max_num_seqs or e.max_num_seqs for b in job.resolved_buckets())
+    sizes = e.cudagraph_capture_sizes
+    if sizes is not None and not graphs:
+        raise JobError("engine.cudagraph_capture_sizes is set but CUDA graphs are off"
+                       f" ({why_no_graphs or 'engine.cuda_graphs: false'}); remove it")
+    if graphs:
+        sizes = sorted(set(sizes or [1 << i for i in range(largest.bit_length()) if 1 << i < largest] + [largest]))
+        if sizes[-1] < largest:
+            raise JobError(f"engine.cudagraph_capture_sizes {sizes} must reach every bucket's max_num_seqs "
+                           f"(the largest is {largest})")
+    return EngineSetup(device, backend, graphs, compiled, sizes)
+
+
+def _load(path: str, dtype: torch.dtype, device: str, role: str):
+    try:
+        return load_model(path, dtype, device)
+    except (OSError, ValueError, KeyError, NotImplementedError) as e:
+        raise JobError(f"model.{role} {path}: {e}") from None
+
+
+def _attention(setup: EngineSetup):
+    if setup.backend == "flashinfer":
+        from dflash_batch.backends.flashinfer_attention import FlashInferAttention
+
+        return FlashInferAttention(setup.device)
+    from dflash_batch.backends.torch_attention import TORCH
+
+    return TORCH
+
+
+def build_engine(job: Job, tokenizer: Tokenizer, setup: EngineSetup | None = None) -> Engine:
+    """Load the job's target (and drafter), check they fit, and build the engine."""
+    setup = setup or resolve_engine(job)
+    dtype = DTYPES[job.model.dtype]
+    target = _load(job.model.target, dtype, setup.device, "target")
+    drafter = None
+    say = (lambda line: print(line, file=sys.stderr)) if parallel.rank() == 0 else (lambda line: None)
+    if job.model.drafter:
+        drafter = _load(job.model.drafter, dtype, setup.device, "drafter")
+        try:
+            attach_drafter(target, drafter)
+        except ValueError as e:
+            raise JobError(f"model.drafter {job.model.drafter}: {e}") from None
+        say(f"taps: layers={tuple(target.tap_ids)} stream={target.tap_stream}")
+    say(setup.describe())
+    return Engine(target, drafter, tokenizer.decode, page_size=job.engine.page_size,
+                  max_num_batched_tokens=job.engine.max_num_batched_tokens, dtype=dtype, device=setup.device,
+                  attention=_attention(setup), capture_sizes=setup.capture_sizes, cuda_graphs=setup.cuda_graphs,
+                  compile=setup.compile, log=say)
+

@@ -1,0 +1,88 @@
+"""What a job's engine settings become on a host (dflash_batch.build.resolve_engine): the backend,
+device, CUDA graphs and compilation a host and model pair allow, and every setting that could
+not take effect refused with its reason before any work. Hosts with CUDA and flashinfer are
+simulated: resolve_engine only looks at what they have."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dflash_batch.build import resolve_engine
+from dflash_batch.job import JobError, parse_job
+
+CPU, GPU, GPU_NO_FLASHINFER = dict(cuda=False, flashinfer=False), dict(cuda=True, flashinfer=True), \
+    dict(cuda=True, flashinfer=False)
+
+
+@pytest.fixture()
+def checkpoints(tmp_path):
+    """config.json of a Qwen3 target, a Kimi-K3 target, a GQA and an MLA drafter."""
+    configs = {"qwen3": {"architectures": ["Qwen3ForCausalLM"]},
+               "kimi": {"architectures": ["KimiK3ForConditionalGeneration"], "text_config": {}},
+               "gqa": {"architectures": ["DFlashDraftModel"], "dflash_config": {}},
+               "mla": {"architectures": ["DFlash2DraftModel"], "dflash_config": {"attention_mode": "mla"}}}
+    for name, config in configs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def job(checkpoints, target="qwen3", drafter="gqa", tp=1, **engine):
+    model = dict(target=str(checkpoints / target), tensor_parallel_size=tp)
+    if drafter:
+        model["drafter"] = str(checkpoints / drafter)
+    return parse_job(dict(input=dict(paths=["p.jsonl"], prompt_column="p"), model=model,
+                          engine=dict(max_num_seqs=12, **engine), output=dict(dir="out"),
+                          buckets=[dict(max_tokens=1024), dict(max_tokens=4096, max_num_seqs=3)]))
+
+
+def test_defaults_on_a_cpu_host(checkpoints):
+    setup = resolve_engine(job(checkpoints), **CPU)
+    assert (setup.device, setup.backend, setup.cuda_graphs, setup.compile) == ("cpu", "torch", False, True)
+    kimi = resolve_engine(job(checkpoints, "kimi", "mla"), **CPU)
+    assert (kimi.backend, kimi.compile) == ("torch", False)  # KDA reads lengths on the host
+    assert resolve_engine(job(checkpoints, tp=2), **CPU).compile is False
+
+
+def test_defaults_on_a_gpu_host(checkpoints):
+    setup = resolve_engine(job(checkpoints), **GPU)
+    assert (setup.device, setup.backend, setup.cuda_graphs, setup.compile) == ("cuda", "flashinfer", True, False)
+    assert setup.capture_sizes == [1, 2, 4, 8, 12]  # powers of two up to the largest max_num_seqs, and it
+    assert resolve_engine(job(checkpoints), **GPU_NO_FLASHINFER).backend == "torch"
+    kimi = resolve_engine(job(checkpoints, "kimi", "mla"), **GPU)
+    assert (kimi.device, kimi.backend, kimi.cuda_graphs) == ("cuda", "torch", False)
+    # backend: torch is the CPU reference path, even here
+    assert resolve_engine(job(checkpoints, backend="torch"), **GPU).device == "cpu"
+
+
+@pytest.mark.parametrize("host, target, drafter, engine, tp, reason", [
+    (CPU, "qwen3", "gqa", dict(backend="flashinfer"), 1, "needs a CUDA device"),
+    (GPU_NO_FLASHINFER, "qwen3", "gqa", dict(backend="flashinfer"), 1, "flashinfer is not installed"),
+    (GPU, "kimi", None, dict(backend="flashinfer"), 1, "GQA attention only"),
+    (GPU, "qwen3", "mla", dict(backend="flashinfer"), 1, "GQA attention only"),
+    (CPU, "qwen3", "gqa", dict(cuda_graphs=True), 1, "cuda_graphs: true cannot take effect: they need a CUDA"),
+    (GPU, "kimi", "mla", dict(cuda_graphs=True), 1, "reads lengths on the host"),
+    (GPU, "qwen3", "gqa", dict(cuda_graphs=True), 2, "tensor_parallel_size > 1"),
+    (GPU, "qwen3", "gqa", dict(compile=True), 1, "compile: true cannot take effect: compilation is the CPU path"),
+    (CPU, "kimi", None, dict(compile=True), 1, "reads lengths on the host"),
+    (CPU, "qwen3", "gqa", dict(compile=True), 2, "tensor_parallel_size > 1 is not compiled"),
+    (CPU, "qwen3", "gqa", dict(cudagraph_capture_sizes=[1, 2]), 1, "capture_sizes is set but CUDA graphs are off"),
+    (GPU, "qwen3", "gqa", dict(cudagraph_capture_sizes=[1, 2, 4]), 1, "must reach every bucket's max_num_seqs"),
+], ids=["flashinfer_cpu", "flashinfer_missing", "flashinfer_kimi", "flashinfer_mla", "graphs_cpu", "graphs_kimi",
+        "graphs_tp", "compile_gpu", "compile_kimi", "compile_tp", "sizes_without_graphs", "sizes_short"])
+def test_settings_that_cannot_take_effect_are_refused(checkpoints, host, target, drafter, engine, tp, reason):
+    with pytest.raises(JobError, match=reason):
+        resolve_engine(job(checkpoints, target, drafter, tp, **engine), **host)
+
+
+def test_explicit_off_switches(checkpoints):
+    setup = resolve_engine(job(checkpoints, cuda_graphs=False, compile=False), **GPU)
+    assert (setup.cuda_graphs, setup.compile, setup.capture_sizes) == (False, False, None)
+    assert resolve_engine(job(checkpoints, compile=False), **CPU).compile is False
+
+
+def test_missing_checkpoint_is_named(checkpoints):
+    with pytest.raises(JobError, match=r"model\.target .*nowhere.*no config\.json"):
+        resolve_engine(job(checkpoints, target="nowhere"), **CPU)
