@@ -26,30 +26,40 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import dflash.model as zl  # noqa: E402
-from transformers import Qwen3Config  # noqa: E402
+import transformers  # noqa: E402
 
+from dflash_batch import tiny  # noqa: E402
 from dflash_batch.engine.engine import Engine  # noqa: E402
-from tests.engine_util import bucket, load_pair, run  # noqa: E402
-from tests.tiny_models import load_hf_model, make_qwen3_checkpoint, randomize_  # noqa: E402
+from dflash_batch.engine.pair import attach_drafter  # noqa: E402
+from dflash_batch.engine.request import Request, SamplingParams  # noqa: E402
+from dflash_batch.models.loader import load_model  # noqa: E402
+from dflash_batch.plan.buckets import Bucket  # noqa: E402
 
 VOCAB, HIDDEN, NEW = 1000, 128, 128
+SHAPE = dict(vocab=VOCAB, hidden=HIDDEN, inter=256, heads=4, kv_heads=2, head_dim=32)
 
 
-def make_pair(d: Path, zero_head: bool) -> tuple[Path, Path, torch.nn.Module]:
-    target = make_qwen3_checkpoint(d / "target", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=256,
-                                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+def make_pair(d: Path, zero_head: bool) -> tuple[Path, Path]:
+    target = tiny.qwen3_checkpoint(d / "target", layers=4, peaked=False, **SHAPE)
     if zero_head:
         w = load_file(target / "model.safetensors")
         w["lm_head.weight"].zero_()
         save_file(w, target / "model.safetensors", metadata={"format": "pt"})
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_target_layers=4,
-                         is_causal=False, architectures=["DFlashDraftModel"],
-                         dflash_config=dict(block_size=8, mask_token_id=VOCAB - 1, target_layer_ids=[1, 2]))
-    ref = zl.DFlashDraftModel(config)
-    randomize_(ref, 1)
-    ref.save_pretrained(d / "drafter")
-    return target, d / "drafter", ref.eval()
+    return target, tiny.dflash_checkpoint(d / "drafter", layers=2, **SHAPE)
+
+
+def ours(target_dir: Path, drafter_dir: Path | None) -> Engine:
+    target = load_model(target_dir)
+    drafter = None
+    if drafter_dir:
+        drafter = load_model(drafter_dir)
+        attach_drafter(target, drafter)
+    return Engine(target, drafter, compile=True)  # as `dflash-batch run` builds it on a CPU host
+
+
+def generate(engine: Engine, prompts: list[list[int]]) -> list:
+    reqs = [Request((str(i), 0), p, SamplingParams(max_new_tokens=NEW, seed=i)) for i, p in enumerate(prompts)]
+    return list(engine.generate(reqs, Bucket(0, "0-256", 256, 32, True, None)))
 
 
 def timed(fn) -> tuple[float, object]:
@@ -71,11 +81,13 @@ def main() -> None:
     rows = []
     for case in ("random", "zero-head"):
         d = Path(tempfile.mkdtemp(prefix="dflash-engine-bench-"))
-        target_dir, drafter_dir, ref_drafter = make_pair(d, case == "zero-head")
-        ref_target = load_hf_model(target_dir)
-        spec = Engine(*load_pair(target_dir, drafter_dir))
-        only = Engine(load_pair(target_dir, None)[0])
-        b = bucket(max_num_seqs=32, max_tokens=256)
+        target_dir, drafter_dir = make_pair(d, case == "zero-head")
+        ref_target = transformers.AutoModelForCausalLM.from_pretrained(
+            target_dir, dtype=torch.float32, attn_implementation="eager").eval()
+        ref_drafter = zl.DFlashDraftModel.from_pretrained(drafter_dir, dtype=torch.float32).eval()
+        spec, only = ours(target_dir, drafter_dir), ours(target_dir, None)
+        for engine in (spec, only):
+            generate(engine, prompts)  # compiles the round: start-up, not measured
         results: dict[str, list[float]] = {"reference": [], "spec": [], "target-only": []}
         acc = {}
         for _ in range(args.repeats):
@@ -84,7 +96,7 @@ def main() -> None:
             results["reference"].append(sum(o.num_output_tokens for o in outs) / sec)
             acc["reference"] = statistics.mean(l for o in outs for l in o.acceptance_lengths)
             for name, engine in (("spec", spec), ("target-only", only)):
-                sec, outs = timed(lambda: run(engine, prompts, b, max_new_tokens=NEW))
+                sec, outs = timed(lambda: generate(engine, prompts))
                 results[name].append(sum(len(c.token_ids) for c in outs) / sec)
                 if name == "spec":
                     rounds = sum(c.spec.rounds for c in outs)

@@ -14,6 +14,12 @@ from kernels._triton import jit, tl
 from kernels.coins import coin, coins
 
 
+def top1(logits: torch.Tensor) -> torch.Tensor:
+    """Index of the first maximum along the last dim: argmax, by the max kernel (2-3x faster than
+    argmax's on CPU; both return the first maximal index)."""
+    return logits.max(-1).indices
+
+
 def sample_torch(logits: torch.Tensor, seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
     """logits [N, V] (scaled, filtered), seed [N], position [N] -> token ids [N] int64."""
     probs = torch.softmax(logits.float(), dim=-1)

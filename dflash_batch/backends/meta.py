@@ -24,9 +24,10 @@ class AttentionBackend(Protocol):
     def plan(self, meta: AttnMeta) -> None:
         """Prepare a forward whose metadata was built on the host (prefill chunks)."""
 
-    def plan_round(self, batch: Any, n: int, positions: list[int], block: int) -> None:
-        """Prepare a round's forwards (draft and verify of the first n rows of a DecodeBatch)
-        from the running sequences' anchor positions; the rows past them are padding."""
+    def plan_round(self, batch: Any, n: int, kv_lens: dict[str, list[int]], graph: bool) -> None:
+        """Prepare a round's forwards over rows 0..n-1 of a DecodeBatch: kv_lens[name] holds the
+        key length of each row that runs a sequence ("draft", "verify"); the rows past it are
+        padding. `graph`: the round replays a CUDA graph captured at n rows."""
 
     def write(self, cache: torch.Tensor, meta: AttnMeta, values: torch.Tensor) -> None:
         """values [T, ...] of this forward's rows go to cache rows meta.slots (-1: skipped)."""

@@ -53,7 +53,7 @@ class TorchAttention:
     def plan(self, meta: AttnMeta) -> None:
         """Nothing to prepare: masks and key slots are computed on first use in each forward."""
 
-    def plan_round(self, batch, n: int, positions: list[int], block: int) -> None:
+    def plan_round(self, batch, n: int, kv_lens: dict[str, list[int]], graph: bool) -> None:
         """Nothing to prepare (see plan)."""
 
     def write(self, cache: torch.Tensor, meta: AttnMeta, values: torch.Tensor) -> None:

@@ -16,13 +16,18 @@ from dflash_batch.engine.sequence import Sequence
 
 
 class DecodeBatch:
-    def __init__(self, rows: int, block: int, max_pages: int, scratch_state: int,
+    def __init__(self, rows: int, block: int, max_pages: int, page_size: int, sequences: int,
                  device: torch.device | str, stop_width: int = 4):
+        """`rows` (>= `sequences`, padded up to a capture size); the first `sequences` state slots
+        and `sequences * max_pages` pages belong to the rows that can run one; the next slot and
+        page are scratch for padding rows (the engine allocates them)."""
         def full(shape, value, dtype=torch.int64):
             return torch.full(shape, value, dtype=dtype, device=device)
 
-        self.rows, self.block, self.device = rows, block, device
-        self.scratch_state = scratch_state
+        self.rows, self.block, self.page_size, self.device = rows, block, page_size, device
+        self.scratch_state, self.scratch_page = sequences, sequences * max_pages
+        # What backends that plan on the host read: each row's pages.
+        self.host_tables: list[list[int]] = [[] for _ in range(rows)]
         self.ids = full((rows, block), 0)             # [anchor, d_1..d_{B-1}] of the next verify
         self.pos = full((rows,), 0)                   # anchor position
         self.budget = full((rows,), 0)                # tokens the row may still emit
@@ -32,7 +37,7 @@ class DecodeBatch:
         self.top_p = full((rows, block), 1.0, torch.float32)
         self.seed = full((rows, block), 0)
         self.stop_ids = full((rows, stop_width), -1)  # stop token ids (-1: none)
-        self.state_slot = full((rows,), scratch_state)  # recurrent-state slot (hybrid targets)
+        self.state_slot = full((rows,), sequences)  # recurrent-state slot (hybrid targets)
         self.out = full((rows, block + 2), 0)          # a round's result: emitted | kept | finished
         self.q_index = torch.arange(rows * block, device=device).view(rows, block)
         self.no_rows = full((0,), 0)
@@ -52,6 +57,7 @@ class DecodeBatch:
         self.ids[row, 0] = seq.tokens[-1]
         self.tables[row] = -1
         self.tables[row, :len(seq.pages)] = torch.tensor(seq.pages, device=self.device)
+        self.host_tables[row] = list(seq.pages)
         self.stop_ids[row] = -1
         if stops:
             self.stop_ids[row, :len(stops)] = torch.tensor(stops, device=self.device)
@@ -59,9 +65,15 @@ class DecodeBatch:
     def clear(self, row: int) -> None:
         """Make a row padding."""
         self.tables[row] = -1
+        self.host_tables[row] = []
         self.budget[row] = 0
         self.pos[row] = 0
         self.state_slot[row] = self.scratch_state
+
+    def clear_all(self) -> None:
+        for row in range(self.rows):
+            if self.host_tables[row]:
+                self.clear(row)
 
     def _grow_stops(self, width: int) -> None:
         grown = torch.full((self.rows, width), -1, dtype=torch.int64, device=self.device)

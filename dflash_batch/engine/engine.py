@@ -28,7 +28,7 @@ from dflash_batch.engine.request import Completion, Request
 from dflash_batch.engine.round import Round
 from dflash_batch.engine.sampling import choose_tokens
 from dflash_batch.engine.sequence import Sequence
-from dflash_batch.models.dflash import top1
+from kernels.sample import top1
 from dflash_batch.plan.buckets import Bucket
 
 STOP = 1  # kernels.accept's finished code for a stop token (2: the budget is spent)
@@ -56,36 +56,28 @@ class Engine:
         self.attention, self.ops = attention, kernels.ops(device)
         # Batch sizes a round runs at (a batch is padded up to the next one); None: exact sizes.
         self.capture_sizes = sorted(capture_sizes) if capture_sizes else None
+        if cuda_graphs and not capture_sizes:
+            raise ValueError("cuda_graphs needs capture_sizes")
         self.cuda_graphs, self.compile = cuda_graphs, compile
         self.log = log or (lambda line: None)
         self.rounds: dict[int, Round] = {}  # by block size: compiled code is kept across buckets
+        self.bucket_state: tuple | None = None  # (shape, caches, batch, round, graphs) of the last bucket
 
     # -- public --------------------------------------------------------------------------------
     def generate(self, requests: Iterable[Request], bucket: Bucket) -> Iterator[Completion]:
         block = self._block_size(bucket)
         seqs = bucket.max_num_seqs
         pages_per_row = -(-(bucket.max_tokens + block) // self.page_size)
-        # One page past the rows' pages is scratch: padding rows write there and nothing reads it.
-        num_slots = (seqs * pages_per_row + 1) * self.page_size
         models = [m for m in (self.target, self.drafter if block > 1 else None) if m is not None]
-        cache_bytes = sum(model.allocate_cache(num_slots, self.dtype, self.device) for model in models)
-        if self.compile:
-            for cache in runtime_tensors(models):
-                # Cache lengths change with the bucket: symbolic, or each bucket compiles again.
-                torch._dynamo.mark_dynamic(cache, 0)
-        rows = self._padded(seqs)
-        if self.recurrent:  # a state slot per row; slot `seqs` is the padding rows' scratch
-            self.target.allocate_state(seqs + 1, rows, block, self.device)
-        batch = DecodeBatch(rows, block, pages_per_row, seqs, self.device)
-        self.log(f"bucket {bucket.name}: {seqs} rows of {pages_per_row * self.page_size} slots, block {block}, "
-                 f"KV caches {cache_bytes / 2**20:.1f} MiB")
-        if block not in self.rounds:
-            self.rounds[block] = Round(self.target, self.drafter, block, self.page_size, self.ops, self.attention,
-                                       self.compile)
-        step = self.rounds[block]
-        graphs = None
-        if self.cuda_graphs:
-            graphs = RoundGraphs(step, batch, self.capture_sizes, pages_per_row * self.page_size)
+        shape = (seqs, pages_per_row, block)
+        kept = self.bucket_state
+        # Reused while the shape holds and the models still hold these caches (another engine
+        # sharing the models may have allocated its own).
+        if kept is None or kept[0] != shape or any(a is not b for a, b in zip(runtime_tensors(models), kept[1])):
+            batch, step, graphs = self._allocate(bucket, block, pages_per_row, models)
+            self.bucket_state = (shape, runtime_tensors(models), batch, step, graphs)
+        _, _, batch, step, graphs = self.bucket_state
+        batch.clear_all()  # a previous generate that was closed early may have left rows
         free_rows = list(range(seqs))  # a heap: new sequences take the lowest row
         pending = iter(requests)
         prefilling: list[Sequence] = []
@@ -124,6 +116,33 @@ class Engine:
                     yield seq.completion(self.decode)
 
     # -- steps ---------------------------------------------------------------------------------
+    def _allocate(self, bucket: Bucket, block: int, pages_per_row: int,
+                  models: list[torch.nn.Module]) -> tuple[DecodeBatch, Round, RoundGraphs | None]:
+        """Caches, recurrent state, the decoding state and its graphs for buckets of this shape
+        (kept while the next bucket has the same one: captured graphs read these tensors)."""
+        seqs = bucket.max_num_seqs
+        # One page past the rows' pages is scratch: padding rows write there and nothing reads it.
+        num_slots = (seqs * pages_per_row + 1) * self.page_size
+        cache_bytes = sum(model.allocate_cache(num_slots, self.dtype, self.device) for model in models)
+        if self.compile:
+            for cache in runtime_tensors(models):
+                # Cache lengths change with the bucket: symbolic, or each bucket compiles again.
+                torch._dynamo.mark_dynamic(cache, 0)
+        rows = self._padded(seqs)
+        if self.recurrent:  # a state slot per row; slot `seqs` is the padding rows' scratch
+            self.target.allocate_state(seqs + 1, rows, block, self.device)
+        batch = DecodeBatch(rows, block, pages_per_row, self.page_size, seqs, self.device)
+        self.log(f"bucket {bucket.name}: {seqs} rows of {pages_per_row * self.page_size} slots, block {block}, "
+                 f"KV caches {cache_bytes / 2**20:.1f} MiB")
+        if block not in self.rounds:
+            self.rounds[block] = Round(self.target, self.drafter, block, self.page_size, self.ops, self.attention,
+                                       self.compile)
+        step = self.rounds[block]
+        graphs = None
+        if self.cuda_graphs:
+            graphs = RoundGraphs(step, batch, self.capture_sizes, pages_per_row * self.page_size)
+        return batch, step, graphs
+
     def _block_size(self, bucket: Bucket) -> int:
         if self.drafter is None or not bucket.speculation:
             return 1
@@ -188,8 +207,14 @@ class Engine:
         size = self._padded(n)
         greedy = all(s.params.temperature <= 0 for s in running[:n] if s is not None)
         positions = [s.position if s is not None else 0 for s in running[:n]]
-        self.attention.plan_round(batch, size, positions, block)
-        if graphs is not None and graphs.covers(size):
+        # Key lengths for backends that plan on the host (round.py's prepare computes the same
+        # on the device); a row without a sequence is padding.
+        budgets = [s.params.max_new_tokens - len(s.tokens) if s is not None else 0 for s in running[:n]]
+        kv_lens = {"verify": [p + block for p in positions],
+                   "draft": [p + min(block, b + 1) for p, b in zip(positions, budgets)]}
+        captured = graphs is not None and graphs.covers(size)
+        self.attention.plan_round(batch, size, kv_lens, captured)
+        if captured:
             graphs.replay(size, greedy)
         else:
             step(batch, size, greedy, max(positions) + block)

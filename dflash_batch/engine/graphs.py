@@ -33,7 +33,7 @@ class RoundGraphs:
         self.graphs[(size, greedy)].replay()
 
     def _capture(self, size: int, greedy: bool) -> None:
-        self.step.attention.plan_round(self.batch, size, [], self.step.block)  # every row padding
+        self.step.attention.plan_round(self.batch, size, {"draft": [], "verify": []}, graph=True)  # all padding
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: kernels compiled and planned outside the capture

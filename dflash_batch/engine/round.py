@@ -30,7 +30,7 @@ import torch
 from dflash_batch.backends.meta import AttentionBackend, AttnMeta
 from dflash_batch.engine.batch import DecodeBatch
 from dflash_batch.engine.sampling import choose_tokens
-from dflash_batch.models.dflash import top1
+from kernels.sample import top1
 
 
 class Round:

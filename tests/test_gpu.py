@@ -1,0 +1,142 @@
+"""The GPU path against the CPU path's oracles (skipped without CUDA; flashinfer tests also
+without flashinfer): flashinfer attention == the torch backend on the same caches and layouts
+(ragged prefill, causal verify, non-causal sliding draft); the torch backend on the GPU == on
+the CPU; a CUDA-graph round == the eager round, token for token and round for round; speculative
+greedy == target-only greedy under graphs. Run by benchmarks/gpu_check.sh."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from dflash_batch import tiny
+from dflash_batch.backends.meta import AttnMeta
+from dflash_batch.backends.torch_attention import TORCH
+from dflash_batch.engine.engine import Engine
+from dflash_batch.engine.pair import attach_drafter
+from dflash_batch.engine.request import Request, SamplingParams
+from dflash_batch.models.loader import load_model
+from dflash_batch.plan.buckets import Bucket
+
+CUDA = torch.cuda.is_available()
+FLASHINFER = CUDA and importlib.util.find_spec("flashinfer") is not None
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs a CUDA device")]
+needs_flashinfer = pytest.mark.skipif(not FLASHINFER, reason="needs flashinfer")
+# flashinfer's kernels take head_dim 64/128/256: the GPU pair has 64-wide heads.
+SHAPE = dict(vocab=64, hidden=256, heads=4, kv_heads=2, head_dim=64, inter=512)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gpu_pair")
+    return (tiny.qwen3_checkpoint(d / "target", layers=4, **SHAPE),
+            tiny.dflash_checkpoint(d / "drafter", version=1, layers=2, sliding_window=24, **SHAPE))
+
+
+def load(pair, device: str, dtype=torch.float32, speculative: bool = True):
+    target = load_model(pair[0], dtype, device)
+    drafter = None
+    if speculative:
+        drafter = load_model(pair[1], dtype, device)
+        attach_drafter(target, drafter)
+    return target, drafter
+
+
+def prompts(n: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(n)
+    return [torch.randint(0, 63, (int(k),), generator=g).tolist() for k in torch.randint(1, 90, (n,), generator=g)]
+
+
+def outcomes(engine: Engine, n: int, max_num_seqs: int = 6, speculation: bool = True, **sampling) -> dict:
+    reqs = [Request((str(i), 0), p, SamplingParams(max_new_tokens=5 + 7 * (i % 5), seed=40 + i, **sampling))
+            for i, p in enumerate(prompts(n))]
+    b = Bucket(0, "0-256", 256, max_num_seqs, speculation, None)
+    return {c.key: (c.token_ids, c.spec.per_round if c.spec else None) for c in engine.generate(reqs, b)}
+
+
+# -- flashinfer attention == torch attention -------------------------------------------------------
+def caches(slots: int, dtype=torch.bfloat16):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    return (torch.randn(slots, 2, 64, generator=g, device="cuda").to(dtype),
+            torch.randn(slots, 2, 64, generator=g, device="cuda").to(dtype))
+
+
+def ragged_meta(seqs: list[tuple[int, int, list[int]]], page: int) -> AttnMeta:
+    """(context length, new rows, pages) per sequence: rows at positions context..context+new-1."""
+    from dflash_batch.engine.cache import SeqRows, build_meta
+    rows = [SeqRows(pages, ctx, new, ctx + new) for ctx, new, pages in seqs]
+    return build_meta(rows, page, None, "cuda", name="prefill")
+
+
+@needs_flashinfer
+@pytest.mark.parametrize("causal, window", [(True, None), (False, None), (False, 24)])
+def test_flashinfer_attention_matches_torch(causal, window):
+    from dflash_batch.backends.flashinfer_attention import FlashInferAttention
+
+    page = 16
+    k, v = caches(40 * page)
+    meta = ragged_meta([(0, 37, list(range(0, 4))), (70, 1, list(range(10, 16))), (100, 9, list(range(20, 28))),
+                        (5, 8, [33])], page)
+    q = torch.randn(meta.num_rows, 4, 64, device="cuda").to(torch.bfloat16)
+    fi = FlashInferAttention("cuda")
+    fi.plan(meta)
+    got = fi.attend(q, k, v, meta, 64 ** -0.5, causal, window).float()
+    meta.backend = TORCH
+    want = TORCH.attend(q.float(), k.float(), v.float(), meta, 64 ** -0.5, causal, window)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+# -- engines ---------------------------------------------------------------------------------------
+def test_torch_backend_on_gpu_matches_cpu(pair):
+    cpu = outcomes(Engine(*load(pair, "cpu")), 7)
+    gpu = outcomes(Engine(*load(pair, "cuda"), device="cuda"), 7)
+    assert gpu == cpu
+
+
+@pytest.mark.parametrize("sampling", [dict(), dict(temperature=1.0, top_p=0.9)], ids=["greedy", "sampled"])
+def test_cuda_graphs_equal_eager_torch_backend(pair, sampling):
+    models = load(pair, "cuda")
+    eager = outcomes(Engine(*models, device="cuda"), 9, **sampling)
+    graphs = outcomes(Engine(*models, device="cuda", cuda_graphs=True, capture_sizes=[1, 2, 4, 8]), 9, **sampling)
+    assert graphs == eager
+    assert any(n for _, rounds in eager.values() for n in rounds), "no draft accepted"
+
+
+@needs_flashinfer
+def test_flashinfer_engine_matches_torch_engine(pair):
+    from dflash_batch.backends.flashinfer_attention import FlashInferAttention
+
+    models = load(pair, "cuda", torch.bfloat16)
+    ref = outcomes(Engine(*models, device="cuda", dtype=torch.bfloat16), 7)
+    got = outcomes(Engine(*models, device="cuda", dtype=torch.bfloat16, attention=FlashInferAttention("cuda")), 7)
+    same = sum(got[k][0] == ref[k][0] for k in ref)
+    assert same == len(ref), f"{same}/{len(ref)} sequences agree (bf16, flashinfer vs torch)"
+
+
+@needs_flashinfer
+@pytest.mark.parametrize("sampling", [dict(), dict(temperature=1.0, top_p=0.9)], ids=["greedy", "sampled"])
+def test_cuda_graphs_equal_eager_flashinfer(pair, sampling):
+    from dflash_batch.backends.flashinfer_attention import FlashInferAttention
+
+    models = load(pair, "cuda", torch.bfloat16)
+
+    def engine(**kw) -> Engine:
+        return Engine(*models, device="cuda", dtype=torch.bfloat16, attention=FlashInferAttention("cuda"), **kw)
+
+    eager = outcomes(engine(), 9, **sampling)
+    graphs = outcomes(engine(cuda_graphs=True, capture_sizes=[1, 2, 4, 8]), 9, **sampling)
+    assert graphs == eager
+
+
+@needs_flashinfer
+def test_speculative_greedy_equals_target_greedy_under_graphs(pair):
+    from dflash_batch.backends.flashinfer_attention import FlashInferAttention
+
+    models = load(pair, "cuda", torch.bfloat16)
+    engine = Engine(*models, device="cuda", dtype=torch.bfloat16, attention=FlashInferAttention("cuda"),
+                    cuda_graphs=True, capture_sizes=[1, 2, 4, 8])
+    spec = outcomes(engine, 9)
+    plain = outcomes(engine, 9, speculation=False)
+    assert {k: v[0] for k, v in spec.items()} == {k: v[0] for k, v in plain.items()}
