@@ -140,3 +140,4 @@ def test_speculative_greedy_equals_target_greedy_under_graphs(pair):
     spec = outcomes(engine, 9)
     plain = outcomes(engine, 9, speculation=False)
     assert {k: v[0] for k, v in spec.items()} == {k: v[0] for k, v in plain.items()}
+
