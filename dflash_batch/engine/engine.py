@@ -28,8 +28,8 @@ from dflash_batch.engine.request import Completion, Request
 from dflash_batch.engine.round import Round
 from dflash_batch.engine.sampling import choose_tokens
 from dflash_batch.engine.sequence import Sequence
-from kernels.sample import top1
 from dflash_batch.plan.buckets import Bucket
+from kernels.sample import top1
 
 STOP = 1  # kernels.accept's finished code for a stop token (2: the budget is spent)
 
@@ -83,7 +83,8 @@ class Engine:
         prefilling: list[Sequence] = []
         running: list[Sequence | None] = [None] * seqs  # the sequence decoding in each row
         exhausted = False
-        with torch.no_grad():
+        # inference_mode dispatches small ops faster; torch.compile wants plain no_grad tensors.
+        with torch.no_grad() if self.compile else torch.inference_mode():
             while True:
                 while not exhausted and free_rows:
                     req = next(pending, None)
