@@ -40,14 +40,46 @@ class EngineSetup:
                 f"compile={'on' if self.compile else 'off'}{padded}")
 
 
-def _architecture(path: str, role: str) -> tuple[str, str]:
-    """(architecture, DFlash attention mode) from a checkpoint's config.json."""
-    try:
-        config = load_config(path)
-    except (OSError, ValueError) as e:
-        raise JobError(f"model.{role} {path}: {e}") from None
-    text = config.get("text_config", config)
-    return (config.get("architectures") or ["?"])[0], draft_value(text, "attention_mode", "gqa")
+@dataclass(frozen=True)
+class _Checkpoint:
+    """What a checkpoint's config.json says that decides what can run it."""
+
+    architecture: str
+    attention: str            # the DFlash attention mode: gqa | mla
+    head_dim: int | None
+    window: int | None        # a drafter's sliding window
+    block: int | None         # a drafter's block size
+
+    @classmethod
+    def read(cls, path: str, role: str) -> _Checkpoint:
+        try:
+            config = load_config(path)
+        except (OSError, ValueError) as e:
+            raise JobError(f"model.{role} {path}: {e}") from None
+        text = config.get("text_config", config)
+        heads = text.get("num_attention_heads")
+        head_dim = text.get("head_dim") or (text["hidden_size"] // heads if heads and "hidden_size" in text else None)
+        return cls((config.get("architectures") or ["?"])[0], draft_value(text, "attention_mode", "gqa"), head_dim,
+                   text.get("sliding_window") if text.get("layer_types") else None,
+                   draft_value(text, "block_size"))
+
+
+def _why_not_flashinfer(job: Job, target: _Checkpoint, drafter: _Checkpoint | None) -> str | None:
+    """Why flashinfer cannot run this pair (None: it can)."""
+    if target.architecture not in STATIC_TARGETS or (drafter and drafter.attention != "gqa"):
+        return (f"it runs GQA attention only, and {target.architecture} with a "
+                f"{drafter.attention if drafter else 'no'} drafter is not that (it runs on the torch backend "
+                "until the MLA path lands)")
+    if job.model.dtype == "float32":
+        return "its kernels are half precision (set model.dtype: bfloat16 or float16)"
+    dims = {c.head_dim for c in (target, drafter) if c}
+    if not dims <= {64, 128, 256}:
+        return f"its kernels take head_dim 64, 128 or 256, not {sorted(dims - {64, 128, 256})}"
+    blocks = [b.block_size or (drafter.block if drafter else 1) for b in job.resolved_buckets() if b.speculation]
+    if drafter and drafter.window and blocks and drafter.window < max(blocks):
+        return (f"the drafter's sliding window ({drafter.window}) is shorter than its block ({max(blocks)}): "
+                "flashinfer's window has no right-hand bound inside a non-causal block")
+    return None
 
 
 def resolve_engine(job: Job, cuda: bool | None = None, flashinfer: bool | None = None) -> EngineSetup:
@@ -56,15 +88,15 @@ def resolve_engine(job: Job, cuda: bool | None = None, flashinfer: bool | None =
     cuda = torch.cuda.is_available() if cuda is None else cuda
     flashinfer = importlib.util.find_spec("flashinfer") is not None if flashinfer is None else flashinfer
     e, tp = job.engine, job.model.tensor_parallel_size
-    target, _ = _architecture(job.model.target, "target")
-    mode = _architecture(job.model.drafter, "drafter")[1] if job.model.drafter else "gqa"
+    target_ckpt = _Checkpoint.read(job.model.target, "target")
+    drafter_ckpt = _Checkpoint.read(job.model.drafter, "drafter") if job.model.drafter else None
+    target = target_ckpt.architecture
     static = target in STATIC_TARGETS
 
     why_not_flashinfer = (
         "it needs a CUDA device and this host has none" if not cuda else
         "flashinfer is not installed (pip install flashinfer-python)" if not flashinfer else
-        f"it runs GQA attention only, and {target} with a {mode} drafter is not that (it runs on the "
-        "torch backend until the MLA path lands)" if target not in STATIC_TARGETS or mode != "gqa" else None)
+        _why_not_flashinfer(job, target_ckpt, drafter_ckpt))
     if e.backend == "flashinfer" and why_not_flashinfer:
         raise JobError(f"engine.backend: flashinfer cannot run here: {why_not_flashinfer}")
     backend = "flashinfer" if e.backend != "torch" and why_not_flashinfer is None else "torch"

@@ -18,10 +18,13 @@ CPU, GPU, GPU_NO_FLASHINFER = dict(cuda=False, flashinfer=False), dict(cuda=True
 
 @pytest.fixture()
 def checkpoints(tmp_path):
-    """config.json of a Qwen3 target, a Kimi-K3 target, a GQA and an MLA drafter."""
-    configs = {"qwen3": {"architectures": ["Qwen3ForCausalLM"]},
+    """config.json of a Qwen3 target, a Kimi-K3 target, GQA drafters (one with 32-wide heads,
+    one whose sliding window is shorter than its block) and an MLA drafter."""
+    gqa = {"architectures": ["DFlashDraftModel"], "head_dim": 128, "dflash_config": {"block_size": 8}}
+    configs = {"qwen3": {"architectures": ["Qwen3ForCausalLM"], "head_dim": 128},
                "kimi": {"architectures": ["KimiK3ForConditionalGeneration"], "text_config": {}},
-               "gqa": {"architectures": ["DFlashDraftModel"], "dflash_config": {}},
+               "gqa": gqa, "gqa32": {**gqa, "head_dim": 32},
+               "short_window": {**gqa, "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"]},
                "mla": {"architectures": ["DFlash2DraftModel"], "dflash_config": {"attention_mode": "mla"}}}
     for name, config in configs.items():
         (tmp_path / name).mkdir()
@@ -29,8 +32,8 @@ def checkpoints(tmp_path):
     return tmp_path
 
 
-def job(checkpoints, target="qwen3", drafter="gqa", tp=1, **engine):
-    model = dict(target=str(checkpoints / target), tensor_parallel_size=tp)
+def job(checkpoints, target="qwen3", drafter="gqa", tp=1, dtype="bfloat16", **engine):
+    model = dict(target=str(checkpoints / target), tensor_parallel_size=tp, dtype=dtype)
     if drafter:
         model["drafter"] = str(checkpoints / drafter)
     return parse_job(dict(input=dict(paths=["p.jsonl"], prompt_column="p"), model=model,
@@ -62,6 +65,8 @@ def test_defaults_on_a_gpu_host(checkpoints):
     (GPU_NO_FLASHINFER, "qwen3", "gqa", dict(backend="flashinfer"), 1, "flashinfer is not installed"),
     (GPU, "kimi", None, dict(backend="flashinfer"), 1, "GQA attention only"),
     (GPU, "qwen3", "mla", dict(backend="flashinfer"), 1, "GQA attention only"),
+    (GPU, "qwen3", "gqa32", dict(backend="flashinfer"), 1, r"head_dim 64, 128 or 256, not \[32\]"),
+    (GPU, "qwen3", "short_window", dict(backend="flashinfer"), 1, r"sliding window \(6\) is shorter than its block"),
     (CPU, "qwen3", "gqa", dict(cuda_graphs=True), 1, "cuda_graphs: true cannot take effect: they need a CUDA"),
     (GPU, "kimi", "mla", dict(cuda_graphs=True), 1, "reads lengths on the host"),
     (GPU, "qwen3", "gqa", dict(cuda_graphs=True), 2, "tensor_parallel_size > 1"),
@@ -70,11 +75,18 @@ def test_defaults_on_a_gpu_host(checkpoints):
     (CPU, "qwen3", "gqa", dict(compile=True), 2, "tensor_parallel_size > 1 is not compiled"),
     (CPU, "qwen3", "gqa", dict(cudagraph_capture_sizes=[1, 2]), 1, "capture_sizes is set but CUDA graphs are off"),
     (GPU, "qwen3", "gqa", dict(cudagraph_capture_sizes=[1, 2, 4]), 1, "must reach every bucket's max_num_seqs"),
-], ids=["flashinfer_cpu", "flashinfer_missing", "flashinfer_kimi", "flashinfer_mla", "graphs_cpu", "graphs_kimi",
+], ids=["flashinfer_cpu", "flashinfer_missing", "flashinfer_kimi", "flashinfer_mla", "flashinfer_head32",
+        "flashinfer_short_window", "graphs_cpu", "graphs_kimi",
         "graphs_tp", "compile_gpu", "compile_kimi", "compile_tp", "sizes_without_graphs", "sizes_short"])
 def test_settings_that_cannot_take_effect_are_refused(checkpoints, host, target, drafter, engine, tp, reason):
     with pytest.raises(JobError, match=reason):
         resolve_engine(job(checkpoints, target, drafter, tp, **engine), **host)
+
+
+def test_flashinfer_wants_half_precision(checkpoints):
+    with pytest.raises(JobError, match="half precision"):
+        resolve_engine(job(checkpoints, dtype="float32", backend="flashinfer"), **GPU)
+    assert resolve_engine(job(checkpoints, dtype="float32"), **GPU).backend == "torch"  # auto
 
 
 def test_explicit_off_switches(checkpoints):

@@ -70,15 +70,21 @@ def ragged_meta(seqs: list[tuple[int, int, list[int]]], page: int) -> AttnMeta:
     return build_meta(rows, page, None, "cuda", name="prefill")
 
 
+PREFILL = [(0, 37, list(range(0, 4))), (70, 1, list(range(10, 16))), (100, 9, list(range(20, 28))), (5, 8, [33])]
+# A draft: blocks of 8 rows after their context; a window longer than the block (the two
+# backends' windows differ on the right of a query, which a block shorter than it never reaches).
+DRAFT = [(0, 8, [0]), (70, 8, list(range(10, 16))), (100, 8, list(range(20, 28))), (30, 8, [33, 34, 35])]
+
+
 @needs_flashinfer
-@pytest.mark.parametrize("causal, window", [(True, None), (False, None), (False, 24)])
-def test_flashinfer_attention_matches_torch(causal, window):
+@pytest.mark.parametrize("causal, window, rows", [(True, None, PREFILL), (False, None, PREFILL), (False, 24, DRAFT)],
+                         ids=["causal", "full", "sliding_draft"])
+def test_flashinfer_attention_matches_torch(causal, window, rows):
     from dflash_batch.backends.flashinfer_attention import FlashInferAttention
 
     page = 16
     k, v = caches(40 * page)
-    meta = ragged_meta([(0, 37, list(range(0, 4))), (70, 1, list(range(10, 16))), (100, 9, list(range(20, 28))),
-                        (5, 8, [33])], page)
+    meta = ragged_meta(rows, page)
     q = torch.randn(meta.num_rows, 4, 64, device="cuda").to(torch.bfloat16)
     fi = FlashInferAttention("cuda")
     fi.plan(meta)

@@ -8,10 +8,12 @@ rows per sequence, its pages, key lengths) outside any graph. A wrapper exists p
 mask variant) and, for captured rounds, per batch size (use_cuda_graph over static index
 buffers, as SGLang and vLLM do); it is planned when its forward's layout changes: lazily on
 first use in an eager forward, and by plan_round itself before a graph replays (the replay
-calls no Python). The drafter's sliding layers use window_left = window - 1 (flashinfer aligns
-queries to the end of the keys; a draft block cut short by max_new_tokens therefore sees a
-window shifted by the rows it lacks: its drafts may differ from the torch backend's in that
-last round, never the output, which verification decides).
+calls no Python). The drafter's sliding layers use window_left = window - 1: keys at most
+window - 1 before the query. flashinfer has no bound on the right, which a non-causal block sees
+only when the window is shorter than the block (build.py refuses that pairing here). flashinfer
+aligns queries to the end of the keys, so a draft block cut short by max_new_tokens sees its
+window (and, for causal drafters, its causal edge) shifted by the rows it lacks: its drafts may
+differ from the torch backend's in that last round, never the output, which verification decides.
 
 Import-safe without flashinfer: it is imported when the backend is built.
 """
@@ -84,6 +86,9 @@ class FlashInferAttention:
             scratch = [batch.scratch_page] * -(-block // ps)
             tables = [batch.host_tables[r] or scratch for r in range(len(lens))] + [scratch] * len(pad)
             self._set(name, _Layout.build([block] * n, lens + pad, tables, ps, self._next()), n if graph else None)
+            # plan fills each wrapper's pinned host buffer and copies it to the device
+            # asynchronously; the previous round's read-back has synchronised, so that copy of
+            # the last plan is done before this one overwrites the buffer.
             if graph:  # a replay calls no Python: plan its wrappers now
                 for key, (wrapper, args, planned) in list(self.wrappers.items()):
                     if key[0] == name and key[1] == n:
@@ -108,7 +113,9 @@ class FlashInferAttention:
         args = dict(num_qo_heads=q.shape[1], num_kv_heads=k_cache.shape[1], head_dim_qk=q.shape[2],
                     page_size=meta.page_size, causal=causal, sm_scale=scale,
                     window_left=window - 1 if window else -1, q_data_type=q.dtype, kv_data_type=k_cache.dtype)
-        key = (meta.name, rows, causal, window, scale, q.shape[1], k_cache.shape[1], q.shape[2], q.dtype)
+        # A captured wrapper's buffers and row count are fixed by its first plan: one per shape.
+        key = (meta.name, rows, meta.q_index.shape[1], meta.block_tables.shape[1], causal, window, scale,
+               q.shape[1], k_cache.shape[1], q.shape[2], q.dtype)
         entry = self.wrappers.get(key)
         if entry is None:
             wrapper = self._new_wrapper(rows, meta.block_tables.shape[1])

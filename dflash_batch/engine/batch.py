@@ -41,7 +41,9 @@ class DecodeBatch:
         self.out = full((rows, block + 2), 0)          # a round's result: emitted | kept | finished
         self.q_index = torch.arange(rows * block, device=device).view(rows, block)
         self.no_rows = full((0,), 0)
-        self.reshaped = False  # set when a tensor had to grow (CUDA graphs must be captured again)
+        # Set when the stop ids had to grow: graphs captured over the old tensor no longer
+        # cover this batch (rounds run eagerly until the engine replaces it at the next bucket).
+        self.reshaped = False
 
     def put(self, row: int, seq: Sequence) -> None:
         """Start decoding `seq` in `row`: its anchor, position, budget, pages and settings."""

@@ -62,6 +62,7 @@ class Engine:
         self.log = log or (lambda line: None)
         self.rounds: dict[int, Round] = {}  # by block size: compiled code is kept across buckets
         self.bucket_state: tuple | None = None  # (shape, caches, batch, round, graphs) of the last bucket
+        self.stop_width = 4  # stop ids a row can hold; grows with the requests (batch.py)
 
     # -- public --------------------------------------------------------------------------------
     def generate(self, requests: Iterable[Request], bucket: Bucket) -> Iterator[Completion]:
@@ -73,7 +74,9 @@ class Engine:
         kept = self.bucket_state
         # Reused while the shape holds and the models still hold these caches (another engine
         # sharing the models may have allocated its own).
-        if kept is None or kept[0] != shape or any(a is not b for a, b in zip(runtime_tensors(models), kept[1])):
+        # A batch whose stop-id tensor had to grow is replaced (its graphs read the old one).
+        if (kept is None or kept[0] != shape or kept[2].reshaped
+                or any(a is not b for a, b in zip(runtime_tensors(models), kept[1]))):
             batch, step, graphs = self._allocate(bucket, block, pages_per_row, models)
             self.bucket_state = (shape, runtime_tensors(models), batch, step, graphs)
         _, _, batch, step, graphs = self.bucket_state
@@ -132,7 +135,9 @@ class Engine:
         rows = self._padded(seqs)
         if self.recurrent:  # a state slot per row; slot `seqs` is the padding rows' scratch
             self.target.allocate_state(seqs + 1, rows, block, self.device)
-        batch = DecodeBatch(rows, block, pages_per_row, self.page_size, seqs, self.device)
+        if self.bucket_state is not None:  # keep the widest stop list seen: no second regrowth
+            self.stop_width = max(self.stop_width, self.bucket_state[2].stop_ids.shape[1])
+        batch = DecodeBatch(rows, block, pages_per_row, self.page_size, seqs, self.device, self.stop_width)
         self.log(f"bucket {bucket.name}: {seqs} rows of {pages_per_row * self.page_size} slots, block {block}, "
                  f"KV caches {cache_bytes / 2**20:.1f} MiB")
         if block not in self.rounds:

@@ -20,8 +20,9 @@ class RoundGraphs:
         self.step, self.batch, self.max_kv = step, batch, max_kv
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.pool = None
-        # Largest first: the smaller graphs reuse the memory pool the largest one reserved.
-        for size in sorted(sizes, reverse=True):
+        # Largest first: the smaller graphs reuse the memory pool the largest one reserved. Sizes
+        # past the batch's rows have no rows to run on (a bucket with fewer sequences).
+        for size in sorted((s for s in sizes if s <= batch.rows), reverse=True):
             for greedy in (True, False):
                 self._capture(size, greedy)
 
