@@ -22,7 +22,7 @@ def top1(logits: torch.Tensor) -> torch.Tensor:
 
 def sample_torch(logits: torch.Tensor, seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
     """logits [N, V] (scaled, filtered), seed [N], position [N] -> token ids [N] int64."""
-    probs = torch.softmax(logits.float(), dim=-1)
+    probs = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
     cdf = probs.cumsum(-1)
     target = coins(seed, position) * cdf[:, -1]
     drawn = torch.searchsorted(cdf, target[:, None], right=True)[:, 0]

@@ -17,8 +17,10 @@ if not torch.cuda.is_available():
 from tests.tiny_tokenizer import make_tokenizer_dir
 
 # The tiny models here gain nothing from intra-op threads, and on a 2-core machine that is
-# also running other processes a second thread makes every small op wait for it.
-torch.set_num_threads(1)
+# also running other processes a second thread makes every small op wait for it: one thread,
+# unless OMP_NUM_THREADS asks otherwise (CI runs the numerics tests with 2 as well: results must
+# hold whatever the reduction order).
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
 
 @pytest.fixture(scope="session")

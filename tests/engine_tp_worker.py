@@ -23,11 +23,13 @@ from dflash_batch.plan.buckets import Bucket
 def generate(target_dir: str, drafter_dir: str, prompts: list[list[int]], sampling: dict) -> list[dict]:
     """Speculative decoding of every prompt (seed 1000 + index): tokens and accepted drafts per round.
     The target taps the drafter's layers on the drafter's aux_hidden_stream, as build_engine does."""
-    target, drafter = load_model(target_dir), load_model(drafter_dir)
+    # float64: the ranks sum partial products in another order than one process; in float32
+    # that could round a near-tie apart.
+    target, drafter = load_model(target_dir, torch.float64), load_model(drafter_dir, torch.float64)
     attach_drafter(target, drafter)
     reqs = [Request((str(i), 0), p, SamplingParams(seed=1000 + i, **sampling)) for i, p in enumerate(prompts)]
     bucket = Bucket(0, "0-1024", 1024, 16, True, None)
-    done = {c.key: c for c in Engine(target, drafter).generate(reqs, bucket)}
+    done = {c.key: c for c in Engine(target, drafter, dtype=torch.float64).generate(reqs, bucket)}
     return [dict(tokens=done[r.key].token_ids, per_round=done[r.key].spec.per_round) for r in reqs]
 
 

@@ -66,11 +66,14 @@ def make_drafter(directory: Path, version: int, block_size: int = 8, sliding: bo
     return ref.eval()
 
 
-def load_pair(target_dir: Path, drafter_dir: Path | None):
-    target = load_model(target_dir)
+F64 = torch.float64  # invariance tests run the engine in float64: no near-tie resolves two ways
+
+
+def load_pair(target_dir: Path, drafter_dir: Path | None, dtype: torch.dtype = torch.float32):
+    target = load_model(target_dir, dtype)
     drafter = None
     if drafter_dir is not None:
-        drafter = load_model(drafter_dir)
+        drafter = load_model(drafter_dir, dtype)
         attach_drafter(target, drafter)
     return target, drafter
 

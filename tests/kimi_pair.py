@@ -89,9 +89,9 @@ def make_kimi_pair(directory: str | Path, stream: str = "prefix", window: int = 
     return target, drafter
 
 
-def load_pair(target_dir: str | Path, drafter_dir: str | Path):
+def load_pair(target_dir: str | Path, drafter_dir: str | Path, dtype: torch.dtype = torch.float32):
     """(target, drafter) paired as build_engine pairs them: the drafter borrows the target's
     embedding and head, and the target taps the drafter's layers on the drafter's stream."""
-    target, drafter = load_model(target_dir), load_model(drafter_dir)
+    target, drafter = load_model(target_dir, dtype), load_model(drafter_dir, dtype)
     attach_drafter(target, drafter)
     return target, drafter

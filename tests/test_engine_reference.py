@@ -13,6 +13,8 @@ from dflash_batch.engine.engine import Engine
 from tests.engine_util import bucket, load_pair, make_drafter, make_target, random_prompts, run
 from tests.tiny_models import load_hf_model
 
+pytestmark = pytest.mark.numerics
+
 MAX_NEW = 40
 LENGTHS = [1, 5, 37, 300]
 

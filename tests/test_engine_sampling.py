@@ -2,8 +2,9 @@
 
 Sampled tokens follow the target's own filtered distribution (speculative or not); outputs do not
 depend on the batch size, on chunked prefill or, at temperature 0, on the drafter; stop strings
-cut the output where they complete.
-"""
+cut the output where they complete. The invariances run the engine in float64: in float32 a
+logit near-tie can resolve two ways between two batch shapes on some CPU, which is rounding, not
+a broken invariant (the README's figures measure how often on the demo pair)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from scipy.stats import chisquare
 from dflash_batch.engine.engine import Engine
 from dflash_batch.engine.request import Request, SamplingParams
 from dflash_batch.engine.sampling import filtered_probs
-from tests.engine_util import VOCAB, bucket, load_pair, make_drafter, make_target, random_prompts, run
+from tests.engine_util import F64, VOCAB, bucket, load_pair, make_drafter, make_target, random_prompts, run
 from tests.tiny_models import load_hf_model
 
 TOP_K, TOP_P = 5, 0.9
@@ -57,6 +58,7 @@ def filtered_by_definition(logits: list[float], temperature: float, top_k: int, 
     return [x / s for x in out]
 
 
+@pytest.mark.numerics
 def test_filtered_probs_matches_definition():
     gen = torch.Generator().manual_seed(0)
     cases = [(t, k, p) for t in (0.5, 1.0, 2.0) for k in (-1, 1, 3, 8, 20) for p in (1.0, 0.9, 0.5, 0.05)]
@@ -136,10 +138,11 @@ def test_sampled_tokens_follow_target_distribution(models, speculation):
 MIXED = [1, 200, 3, 17, 64, 2, 150, 9, 33, 120, 5, 80]
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=1.0, top_p=0.95)],
                          ids=["greedy", "sampled"])
 def test_outputs_do_not_depend_on_max_num_seqs(models, sampling):
-    engine = Engine(*load_pair(models["soft"], models["v2"]))
+    engine = Engine(*load_pair(models["soft"], models["v2"], F64), dtype=F64)
     prompts = random_prompts(MIXED, seed=1)
     alone = run(engine, prompts, bucket(max_num_seqs=1), max_new_tokens=24, **sampling)
     batched = run(engine, prompts, bucket(max_num_seqs=16), max_new_tokens=24, **sampling)
@@ -147,10 +150,11 @@ def test_outputs_do_not_depend_on_max_num_seqs(models, sampling):
     assert any(n for c in batched for n in c.spec.per_round), "no draft accepted"
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("batch", [1, 5, 16])
 @pytest.mark.parametrize("version", ["v1", "v2"])
 def test_speculative_greedy_equals_target_greedy(models, version, batch):
-    engine = Engine(*load_pair(models["target"], models[version]))
+    engine = Engine(*load_pair(models["target"], models[version], F64), dtype=F64)
     lengths = [1, 300, 7, 64, 2, 150, 33, 9, 120, 17, 250, 4, 80, 3, 45, 200][:batch]
     prompts = random_prompts(lengths, seed=batch)
     spec = run(engine, prompts, bucket(), max_new_tokens=32)
@@ -160,14 +164,15 @@ def test_speculative_greedy_equals_target_greedy(models, version, batch):
     assert any(n for c in spec for n in c.spec.per_round), "no draft accepted"
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=1.0, top_p=0.95)],
                          ids=["greedy", "sampled"])
 def test_chunked_prefill_matches_one_shot(models, sampling):
-    target, drafter = load_pair(models["soft"], models["v2"])
+    target, drafter = load_pair(models["soft"], models["v2"], F64)
     # Chunks of 7 split prompts mid-page and mid-prompt, and several prompts share one chunk.
     prompts = random_prompts([300, 1, 6, 7, 8, 50, 3], seed=2)
-    one_shot = run(Engine(target, drafter), prompts, bucket(), max_new_tokens=16, **sampling)
-    chunked = run(Engine(target, drafter, max_num_batched_tokens=7), prompts, bucket(),
+    one_shot = run(Engine(target, drafter, dtype=F64), prompts, bucket(), max_new_tokens=16, **sampling)
+    chunked = run(Engine(target, drafter, max_num_batched_tokens=7, dtype=F64), prompts, bucket(),
                   max_new_tokens=16, **sampling)
     assert [c.token_ids for c in chunked] == [c.token_ids for c in one_shot]
     assert [c.spec.per_round for c in chunked] == [c.spec.per_round for c in one_shot]

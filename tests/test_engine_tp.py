@@ -3,9 +3,13 @@ accepted drafts in every round, greedy and sampled."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests import engine_tp_worker
 from tests.engine_util import make_drafter, make_target, random_prompts
 from tests.test_tp import free_port
+
+pytestmark = pytest.mark.numerics
 
 RUNS = {
     "greedy": dict(max_new_tokens=24),

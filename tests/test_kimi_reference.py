@@ -15,6 +15,8 @@ from safetensors.torch import save_file
 from tests import kimi_reference as R
 from tests.tiny_kimi import FP32_SUFFIXES, TINY_KIMI_TEXT, make_kimi_checkpoint
 
+pytestmark = pytest.mark.numerics
+
 IDS = [5, 17, 3, 88, 42, 9, 60, 1, 33, 70, 12, 50]
 F64 = torch.float64
 

@@ -6,6 +6,9 @@ the proofs that what it trains is what the product runs:
   block whose context is the target's taps, and the selector's training scores pick the
   inference greedy path;
 - the training-speed KDA pieces equal the product's KDA functions.
+
+float32 throughout: the training forwards (batched, unpaged) against the inference models
+(paged) at 1e-4 of the magnitude (tests/numerics.py); the KDA pieces at 1e-5.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ from dflash_batch.models.loader import load_model
 from recipes.demo import drafter_forward, evaluate, target_forward, train
 from recipes.demo.batches import BatchMaker
 from recipes.demo.kda_train import kda_zero_state, short_conv_silu
+from tests.numerics import REL32, assert_close
+
+pytestmark = pytest.mark.numerics
 
 STEPS = 12
 PAGE, PAGES = 4, list(range(64))[::-1]  # a reversed page table: slots are not positions
@@ -59,8 +65,8 @@ def test_target_logits_and_taps_match_inference(run):
         target.reset_state(0)
         meta = build_meta([SeqRows(PAGES, 0, n, n)], PAGE, None, "cpu", [0])
         want_logits, want_taps = target(batch.ids[b, :n], meta)
-        torch.testing.assert_close(logits[b, :n], want_logits, atol=1e-4, rtol=0)
-        torch.testing.assert_close(taps[b, :n], want_taps, atol=1e-4, rtol=0)
+        assert_close(logits[b, :n], want_logits, rel=REL32)
+        assert_close(taps[b, :n], want_taps, rel=REL32)
 
 
 def test_drafter_block_matches_inference(run):
@@ -80,7 +86,7 @@ def test_drafter_block_matches_inference(run):
     drafter.write_context(taps[0, :anchor], build_meta([SeqRows(PAGES, 0, anchor, anchor)], PAGE))
     B = drafter.block_size
     want = drafter(block, build_meta([SeqRows(PAGES, anchor, B, anchor + B)], PAGE, []))
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    assert_close(got, want, rel=REL32)
 
     # The selector's training scores walk the same greedy path as the inference proposal.
     rows = want[1:]
@@ -120,4 +126,4 @@ def test_training_kda_equals_product_kda():
     g = -5 * torch.rand(B, T, H, K, generator=gen)  # decays down to the gate's lower bound
     beta = torch.rand(B, T, H, generator=gen)
     want, _ = kda_chunked(q, k, v, g, beta, None)
-    torch.testing.assert_close(kda_zero_state(q, k, v, g, beta), want, atol=1e-5, rtol=1e-5)
+    assert_close(kda_zero_state(q, k, v, g, beta), want, rel=1e-5)

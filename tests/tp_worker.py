@@ -14,10 +14,10 @@ from dflash_batch.models.loader import load_model
 PROMPT_LEN = 29
 
 
-def forward_steps(checkpoint: str | Path) -> dict[str, torch.Tensor]:
+def forward_steps(checkpoint: str | Path, dtype: str = "float32") -> dict[str, torch.Tensor]:
     """Prefill a fixed prompt, then decode its greedy next token; every output, on this rank."""
-    model = load_model(checkpoint)
-    model.allocate_cache(64, torch.float32, "cpu")
+    model = load_model(checkpoint, getattr(torch, dtype))
+    model.allocate_cache(64, getattr(torch, dtype), "cpu")
     model.set_taps([0, 2, 3])
     prompt = torch.randint(0, 256, (PROMPT_LEN,), generator=torch.Generator().manual_seed(0))
     prefill, prefill_taps = model(prompt, single_sequence_meta(PROMPT_LEN))
@@ -26,12 +26,12 @@ def forward_steps(checkpoint: str | Path) -> dict[str, torch.Tensor]:
     return dict(prefill=prefill, prefill_taps=prefill_taps, decode=decode, decode_taps=decode_taps)
 
 
-def run(rank: int, world_size: int, port: int, checkpoint: str, out_dir: str) -> None:
+def run(rank: int, world_size: int, port: int, checkpoint: str, out_dir: str, dtype: str = "float32") -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)  # two ranks share a small CPU
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        torch.save(forward_steps(checkpoint), Path(out_dir) / f"rank{rank}.pt")
+        torch.save(forward_steps(checkpoint, dtype), Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()

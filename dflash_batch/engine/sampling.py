@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from dflash_batch.models.layers.dtypes import wide
 from kernels.sample import sample_torch
 
 
@@ -23,7 +24,7 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     of the sorted distribution whose mass before the token is < top_p (the token that crosses top_p
     is kept), applied after top-k, as transformers and the DFlash reference do.
     """
-    scaled = logits.float() / temperature.clamp_min(1e-5)[:, None]
+    scaled = wide(logits) / temperature.clamp_min(1e-5)[:, None]
     sorted_p, order = torch.softmax(scaled, dim=-1).sort(dim=-1, descending=True)
     rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
     keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from dflash_batch.backends.meta import AttnMeta
+from dflash_batch.models.layers.dtypes import wide
 from dflash_batch.models.layers.linear import (
     ColumnParallelLinear, MergedColumnLinear, ReplicatedLinear, RowParallelLinear, new_param, per_rank,
 )
@@ -293,7 +294,7 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self._target_io[1](hidden).float() * self.output_multiplier
+        logits = wide(self._target_io[1](hidden)) * self.output_multiplier
         if self.softcap > 0:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits

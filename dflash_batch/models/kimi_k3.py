@@ -17,6 +17,7 @@ from torch import nn
 
 from dflash_batch import parallel
 from dflash_batch.backends.meta import AttnMeta
+from dflash_batch.models.layers.dtypes import wide, wide_dtype
 from dflash_batch.models.layers.kda import kda_chunked, kda_gate, kda_recurrent, l2norm, short_conv
 from dflash_batch.models.layers.linear import (
     ColumnParallelLinear, ParallelLMHead, ReplicatedLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -29,7 +30,7 @@ LORA_NORM_EPS = 1e-6  # the official q_a/kv_a LoRA norms take RMSNorm's default,
 
 def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
     """SiTU: (beta*tanh(g/beta)*sigmoid(g)) * (linear_beta*tanh(u/linear_beta)), in float32."""
-    g, u = gate.float(), up.float()
+    g, u = wide(gate), wide(up)
     return (beta * torch.tanh(g / beta) * torch.sigmoid(g) * linear_beta * torch.tanh(u / linear_beta)).to(gate.dtype)
 
 
@@ -86,8 +87,8 @@ class LatentMoE(nn.Module):
         self.shared_experts = SituMLP(config, hidden, shared) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scores = torch.sigmoid(F.linear(x.float(), self.gate.weight.float()))
-        ids = torch.topk(scores + self.gate.e_score_correction_bias.float(), self.top_k, dim=-1).indices
+        scores = torch.sigmoid(F.linear(wide(x), wide(self.gate.weight)))
+        ids = torch.topk(scores + wide(self.gate.e_score_correction_bias), self.top_k, dim=-1).indices
         weights = scores.gather(-1, ids)
         if self.renormalize and self.top_k > 1:  # the official gate leaves a single expert's weight as is
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
@@ -108,8 +109,8 @@ def attn_res_mix(current: torch.Tensor, blocks: list[torch.Tensor], norm: RMSNor
     (current last) with score <RMSNorm(v), norm.w * proj.w>, mixing the raw values, in float32."""
     if not blocks:
         return current
-    values = torch.stack([*blocks, current]).float()                          # [N, T, H]
-    w = norm.weight.float() * proj.weight.float()[0]
+    values = wide(torch.stack([*blocks, current]))                            # [N, T, H]
+    w = wide(norm.weight) * wide(proj.weight)[0]
     scores = (values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + norm.eps) * w).sum(-1)
     return (scores.softmax(0)[..., None] * values).sum(0).to(current.dtype)
 
@@ -146,7 +147,7 @@ class GatedMLA(nn.Module):
         o_lat = meta.attention.attend_latent(torch.cat([q_lat, q[..., self.dn:]], dim=-1), self.cache, self.kl,
                                              meta, self.scale, causal=True)
         o = torch.einsum("thk,hvk->thv", o_lat, w[:, self.dn:])
-        o = o * torch.sigmoid(self.g_proj(x).float()).view(T, self.heads, self.dv).to(o.dtype)
+        o = o * torch.sigmoid(wide(self.g_proj(x))).view(T, self.heads, self.dv).to(o.dtype)
         return self.o_proj(o.reshape(T, self.heads * self.dv))
 
 
@@ -180,18 +181,19 @@ class KDA(nn.Module):
 
     def allocate(self, slots: int, batch: int, rows: int, device) -> None:
         C = 3 * self.heads * self.d
-        self.conv_state = torch.zeros(slots, C, self.kernel - 1, device=device)
-        self.state = torch.zeros(slots, self.heads, self.d, self.d, device=device)
-        self.staged_conv = torch.zeros(batch, rows, C, self.kernel - 1, device=device)
-        self.staged_state = torch.zeros(batch, rows, self.heads, self.d, self.d, device=device)
+        dtype = self.A_log.dtype  # float32 (float64 for a float64 model)
+        self.conv_state = torch.zeros(slots, C, self.kernel - 1, device=device, dtype=dtype)
+        self.state = torch.zeros(slots, self.heads, self.d, self.d, device=device, dtype=dtype)
+        self.staged_conv = torch.zeros(batch, rows, C, self.kernel - 1, device=device, dtype=dtype)
+        self.staged_state = torch.zeros(batch, rows, self.heads, self.d, self.d, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
         T, H, d = x.shape[0], self.heads, self.d
         raw = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])[:, 0]
         g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(T, H, d), self.A_log, self.dt_bias, self.lower_bound)
-        beta = torch.sigmoid(self.b_proj(x).float())
-        out = x.new_zeros(T, H, d, dtype=torch.float32)
+        beta = torch.sigmoid(wide(self.b_proj(x)))
+        out = x.new_zeros(T, H, d, dtype=wide_dtype(x.dtype))
         for b, slot in enumerate(meta.state_ids.tolist()):
             rows = meta.q_index[b][meta.q_index[b] < T]
             conv_in = self.conv_state[slot]
@@ -205,15 +207,15 @@ class KDA(nn.Module):
                     o, S = kda_recurrent(q[j:j + 1], k[j:j + 1], v[j:j + 1], g[r:r + 1], beta[r:r + 1], S)
                     out[r] = o[0]
                     self.staged_state[b, j] = S
-                    window = torch.cat([conv_in, raw[rows[:j + 1]].T.float()], dim=-1)
+                    window = torch.cat([conv_in, raw[rows[:j + 1]].T.to(conv_in.dtype)], dim=-1)
                     self.staged_conv[b, j] = window[:, -(self.kernel - 1):]
             else:
                 o, S = kda_chunked(q, k, v, g[rows], beta[rows], self.state[slot])
                 out[rows] = o
                 self.state[slot] = S
                 self.conv_state[slot] = conv_out
-        o = rms_norm(out, self.o_norm.weight.float(), self.o_norm.eps)
-        o = o * torch.sigmoid(self.g_proj(x).float()).view(T, H, d)
+        o = rms_norm(out, wide(self.o_norm.weight), self.o_norm.eps)
+        o = o * torch.sigmoid(wide(self.g_proj(x))).view(T, H, d)
         return self.o_proj(o.reshape(T, H * d).to(x.dtype))
 
     def commit(self, state_ids: torch.Tensor, kept: torch.Tensor) -> None:
@@ -357,5 +359,5 @@ class KimiK3ForConditionalGeneration(nn.Module):
         h = attn_res_mix(prefix, blocks, m.output_attn_res_norm, m.output_attn_res_proj)
         if self.tap_stream == "attn_res" and len(layers) - 1 in self.tap_ids:
             taps.append(h)  # the output mix, before the final norm
-        logits = self.lm_head(self.model.norm(h)[meta.logits_rows]).float()
+        logits = wide(self.lm_head(self.model.norm(h)[meta.logits_rows]))
         return logits, torch.cat(taps, dim=-1) if taps else None

@@ -13,6 +13,7 @@ from torch import nn
 
 from dflash_batch.backends.meta import AttnMeta
 from dflash_batch.models.layers.activation import silu_and_mul
+from dflash_batch.models.layers.dtypes import wide
 from dflash_batch.models.layers.linear import (
     MergedColumnLinear,
     ParallelLMHead,
@@ -161,5 +162,5 @@ class Qwen3ForCausalLM(nn.Module):
         # those features, so a tap on the last layer takes the normed stream too.
         if self.tap_ids and self.tap_ids[-1] == len(self.model.layers) - 1:
             taps[-1] = h
-        logits = self.lm_head(h[meta.logits_rows]).float()
+        logits = wide(self.lm_head(h[meta.logits_rows]))
         return logits, torch.cat(taps, dim=-1) if taps else None

@@ -20,10 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-def _wide(x: torch.Tensor) -> torch.Tensor:
-    """Cast to at least float32: the recurrent state accumulates over the whole sequence."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
+from dflash_batch.models.layers.dtypes import wide
 
 
 def _init_state(state: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -39,13 +36,13 @@ def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_
     head; the checkpoint pads it past num_heads with zeros, so only its first H entries count.
     """
     H, D = f.shape[-2:]
-    a = torch.exp(A_log.float().reshape(-1)[:H])[:, None]
-    return lower_bound * torch.sigmoid(a * (f.float() + dt_bias.float().reshape(H, D)))
+    a = torch.exp(wide(A_log).reshape(-1)[:H])[:, None]
+    return lower_bound * torch.sigmoid(a * (wide(f) + wide(dt_bias).reshape(H, D)))
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """Per-head L2 norm over the last dim, eps inside the sqrt (as fla's kernel), in float32."""
-    x = _wide(x)
+    x = wide(x)
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
@@ -69,7 +66,7 @@ def kda_recurrent(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-by-token KDA (decode / verify). Returns (o, new_state); layouts in the module doc."""
-    q, k, v, g, beta = map(_wide, (q, k, v, g, beta))
+    q, k, v, g, beta = map(wide, (q, k, v, g, beta))
     q = q * q.shape[-1] ** -0.5
     S = _init_state(state, k, v)
     out = []
@@ -102,7 +99,7 @@ def kda_chunked(
     Decays are taken pairwise as exp(G_t - G_j) <= 1 rather than factored into exp(G_t) / exp(G_j),
     which would overflow once a chunk's decay passes ~-88 in float32.
     """
-    q, k, v, g, beta = (_wide(x) for x in (q, k, v, g, beta[..., None]))
+    q, k, v, g, beta = (wide(x) for x in (q, k, v, g, beta[..., None]))
     S = _init_state(state, k, v)
     q, k, v, g, beta = (x.transpose(-3, -2) for x in (q, k, v, g, beta))  # heads first: [*B, H, T, .]
     q = q * q.shape[-1] ** -0.5

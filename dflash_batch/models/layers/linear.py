@@ -14,8 +14,11 @@ from dflash_batch import parallel
 
 
 def new_param(shape: tuple[int, ...], shard_dim: int | None, dtype: torch.dtype | None = None) -> nn.Parameter:
-    """A frozen parameter cut along shard_dim across ranks (None: replicated). dtype: for tensors
-    that stay float32 whatever the model dtype (recurrent-state gates, router biases)."""
+    """A frozen parameter cut along shard_dim across ranks (None: replicated). dtype float32: for
+    tensors that stay at least float32 whatever the model dtype (recurrent-state gates, router
+    biases; a float64 model keeps them in float64)."""
+    if dtype is not None:
+        dtype = torch.promote_types(torch.get_default_dtype(), dtype)
     p = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
     p.shard_dim = shard_dim
     return p

@@ -7,8 +7,9 @@ from torch import nn
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Normalised in float32, cast back, then scaled (as transformers does in half precision)."""
-    if x.dtype == torch.float32:  # no casts: each costs an op per call on small batches
+    """Normalised in float32 (float64 for a float64 model), cast back, then scaled (as
+    transformers does in half precision)."""
+    if x.dtype in (torch.float32, torch.float64):  # no casts: each costs an op per call on small batches
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
     dtype = x.dtype
     x = x.float()

@@ -45,14 +45,16 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, inv_freq: torch.Tensor, attention_scaling: float = 1.0):
         super().__init__()
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        # Angles in float32 (as transformers computes them), float64 for a float64 model.
+        dtype = torch.promote_types(torch.get_default_dtype(), torch.float32)
+        self.register_buffer("inv_freq", inv_freq.to(dtype), persistent=False)
         self.attention_scaling = attention_scaling
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[T] -> cos, sin [T, 1, dim] (broadcast over heads): the dim/2 angles twice over, with
         the first half of sin negated. Rotate-half RoPE is then x*cos + roll(x, dim/2)*sin, and
         the second halves hold each pair's angle once, as the interleaved layout reads them."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        freqs = positions.to(self.inv_freq.dtype)[:, None] * self.inv_freq[None, :]
         cos, sin = freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling
         return torch.cat([cos, cos], dim=-1)[:, None], torch.cat([-sin, sin], dim=-1)[:, None]
 
