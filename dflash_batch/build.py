@@ -19,7 +19,7 @@ from dflash_batch.models.dflash import draft_value
 from dflash_batch.models.loader import load_config, load_model
 from dflash_batch.plan.tokenize import Tokenizer
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 # Targets whose forward reads nothing on the host and runs on every backend: the rounds of
 # these (with any DFlash drafter) can be captured as CUDA graphs or compiled.
 STATIC_TARGETS = ("Qwen3ForCausalLM",)
@@ -70,7 +70,7 @@ def _why_not_flashinfer(job: Job, target: _Checkpoint, drafter: _Checkpoint | No
         return (f"it runs GQA attention only, and {target.architecture} with a "
                 f"{drafter.attention if drafter else 'no'} drafter is not that (it runs on the torch backend "
                 "until the MLA path lands)")
-    if job.model.dtype == "float32":
+    if job.model.dtype in ("float32", "float64"):
         return "its kernels are half precision (set model.dtype: bfloat16 or float16)"
     dims = {c.head_dim for c in (target, drafter) if c}
     if not dims <= {64, 128, 256}:

@@ -44,12 +44,16 @@ def _run_shard(job: Job, shard: Shard, progress: bool) -> None:
     """Run one shard in this process (one tensor-parallel rank); rank 0 reports."""
     from dflash_batch import parallel
     from dflash_batch.build import build_engine
+    from dflash_batch.io.outputs import CommitError
     from dflash_batch.runner import Preempted, run_job
 
     try:
         result = run_job(job, build_engine, shard, progress=progress)
     except JobError as e:
         _fail(e)
+    except CommitError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
     except Preempted:
         click.echo("terminated: finished rows are committed; rerun the same command to resume", err=True)
         sys.exit(EXIT_PREEMPTED)

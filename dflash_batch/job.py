@@ -71,7 +71,8 @@ class ModelSpec(_Strict):
     tokenizer: str | None = Field(None, description="Tokenizer directory; default: the target's.")
     chat_template: str | None = Field(None, description="Path of a Jinja chat template overriding the "
                                       "tokenizer's.")
-    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = Field(
+        "bfloat16", description="float64: exact runs for checks (resume == uninterrupted to the bit), CPU speed.")
     tensor_parallel_size: int = Field(1, ge=1, le=64)
 
 

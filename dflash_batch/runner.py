@@ -11,6 +11,7 @@ inside a window every bucket is drained in turn so each batch holds similar leng
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
@@ -23,7 +24,7 @@ from tqdm import tqdm
 from dflash_batch import __version__, parallel
 from dflash_batch.engine.request import Completion, Engine, Request, SamplingParams
 from dflash_batch.io.inputs import check_inputs
-from dflash_batch.io.ledger import committed_keys, lock_run, shard_dir, write_shard_stats
+from dflash_batch.io.ledger import committed_keys, lock_run, shard_dir, shard_lock, write_shard_stats
 from dflash_batch.io.outputs import RESERVED, PartWriter
 from dflash_batch.job import Job, JobError, SamplingSpec
 from dflash_batch.plan.buckets import Bucket, plan_buckets
@@ -84,6 +85,12 @@ class _Run:
         return {**self._base_row(row, sample_index), "status": "error", "finish_reason": "error",
                 "error_type": row.error_type, "error": row.error}
 
+    def _failed_row(self, row: PreparedRow, seed: int, c: Completion) -> dict:
+        """A request the engine failed on alone (non-finite logits, out of memory alone, an
+        exception only it raises): an error row, committed, so a resume never meets it again."""
+        return {**self._base_row(row, c.key[1], seed), "status": "error", "finish_reason": "error",
+                "error_type": c.error_type, "error": c.error, "latency_s": c.latency_s}
+
     def _ok_row(self, row: PreparedRow, seed: int, c: Completion) -> dict:
         out = {**self._base_row(row, c.key[1], seed), "status": "ok", "response": c.text,
                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
@@ -140,7 +147,8 @@ class _Run:
         shown = t0
         try:
             for c in self.engine.generate(iter(requests), bucket):
-                self._commit(self._ok_row(*by_key.pop(c.key), c))
+                row, seed = by_key.pop(c.key)
+                self._commit(self._ok_row(row, seed, c) if c.error_type is None else self._failed_row(row, seed, c))
                 tokens += len(c.token_ids)
                 if c.spec is not None:
                     rounds, accepted = rounds + c.spec.rounds, accepted + c.spec.accepted
@@ -214,16 +222,24 @@ def run_job(job: Job, engine_factory: EngineFactory, shard: Shard, progress: boo
     config_hash = lock_run(out_dir, job, shard) if parallel.rank() == 0 else None
     parallel.barrier()
     config_hash = config_hash or lock_run(out_dir, job, shard)
-    engine = engine_factory(job, tokenizer)
-    run = _Run(job, shard, tokenizer, engine, config_hash, progress)
-    parallel.barrier()
-    on_main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, lambda *_: run.stop.set()) if on_main else None
-    try:
-        with fewer_gc_passes():
-            written = run.run()
-    finally:
-        if on_main:
-            signal.signal(signal.SIGTERM, previous)
+    with shard_lock(out_dir, shard.index) if parallel.rank() == 0 else contextlib.nullcontext():
+        engine = engine_factory(job, tokenizer)
+        run = _Run(job, shard, tokenizer, engine, config_hash, progress)
+        parallel.barrier()
+        on_main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, lambda *_: run.stop.set()) if on_main else None
+        try:
+            with fewer_gc_passes():
+                written = run.run()
+        except BaseException:
+            # Stats are recomputed from the committed parts; a failure writing them now (the
+            # disk that stopped the run may still be full) must not hide why the run stopped.
+            if parallel.rank() == 0:
+                with contextlib.suppress(Exception):
+                    write_shard_stats(out_dir, shard.index)
+            raise
+        finally:
+            if on_main:
+                signal.signal(signal.SIGTERM, previous)
         stats = write_shard_stats(out_dir, shard.index) if parallel.rank() == 0 else {}
     return RunResult(shard, written, stats)

@@ -85,3 +85,26 @@ def test_sigterm_commits_finished_rows_and_exits_nonzero(tmp_path, model_dir):
     assert final.wait(timeout=120) == 0
     rows = read_out(tmp_path / "term")
     assert len(_comparable(rows)) == 80 and os.path.exists(tmp_path / "term" / "stats" / "shard-00000.json")
+
+
+def test_a_second_process_on_one_shard_is_refused(tmp_path, model_dir):
+    """An OS lock: while one process writes shard 0, another run of the same shard stops before
+    any work with a message naming the holder; once the first is gone (killed: the kernel drops
+    its lock) the shard runs."""
+    import pytest
+
+    from dflash_batch.job import JobError, load_job
+
+    job_file = _job(tmp_path, model_dir, "locked")
+    first = _start(job_file, delay=0.05)
+    deadline = time.monotonic() + 60
+    while not read_out(tmp_path / "locked") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        with pytest.raises(JobError, match=f"being written by another process \\(pid {first.pid} on "):
+            run_job(load_job(job_file), fake_factory(), Shard(0, 1), progress=False)
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    run_job(load_job(job_file), fake_factory(), Shard(0, 1), progress=False)
+    assert len(_comparable(read_out(tmp_path / "locked"))) == 80

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -25,13 +26,68 @@ from dflash_batch.engine.batch import DecodeBatch
 from dflash_batch.engine.cache import SeqRows, build_meta, row_pages
 from dflash_batch.engine.graphs import RoundGraphs
 from dflash_batch.engine.request import Completion, Request
-from dflash_batch.engine.round import Round
+from dflash_batch.engine.round import ERROR, Round
 from dflash_batch.engine.sampling import choose_tokens
 from dflash_batch.engine.sequence import Sequence
 from dflash_batch.plan.buckets import Bucket
+from kernels.accept import STOP
 from kernels.sample import top1
 
-STOP = 1  # kernels.accept's finished code for a stop token (2: the budget is spent)
+
+
+def is_out_of_memory(error: Exception) -> bool:
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and "can't allocate memory" in str(error))
+
+
+class _Queue:
+    """One generate call's sequences: the requests still to start (with those sent back to
+    start over in front), the rows they take, which prefill and which decode, and how many may
+    run at once after a failure."""
+
+    def __init__(self, requests: Iterable[Request], rows: int, prefill_budget: int):
+        self.incoming, self.again = iter(requests), deque()
+        self.free_rows = list(range(rows))  # a heap: new sequences take the lowest row
+        self.prefilling: list[Sequence] = []
+        self.running: list[Sequence | None] = [None] * rows  # the sequence decoding in each row
+        self.limit, self.prefill_budget = rows, prefill_budget
+        self.min_prefill = min(prefill_budget, 16)
+        self.suspects: set = set()  # keys of requests that start over one at a time
+        self.exhausted = False
+
+    def active(self) -> int:
+        return len(self.prefilling) + sum(s is not None for s in self.running)
+
+    def room(self) -> bool:
+        limit = 1 if self.suspects else self.limit
+        return bool(self.free_rows) and self.active() < limit and not (self.exhausted and not self.again)
+
+    def next_request(self) -> tuple[Request | None, int]:
+        req = self.again.popleft() if self.again else next(self.incoming, None)
+        if req is None:
+            self.exhausted = True
+            return None, -1
+        return req, heapq.heappop(self.free_rows)
+
+    def forget(self, seq: Sequence, batch: DecodeBatch) -> None:
+        """Take a sequence out of prefill or decode (its row is freed by `release`)."""
+        if seq in self.prefilling:
+            self.prefilling.remove(seq)
+        if self.running[seq.row] is seq:
+            self.running[seq.row] = None
+            batch.clear(seq.row)
+
+    def release(self, seq: Sequence, batch: DecodeBatch) -> None:
+        self.forget(seq, batch)
+        heapq.heappush(self.free_rows, seq.row)
+        self.suspects.discard(seq.request.key)
+
+    def requeue(self, seqs: list[Sequence], batch: DecodeBatch) -> None:
+        """Send sequences back to start over, in front of the queue, in their order."""
+        for seq in seqs:
+            self.forget(seq, batch)
+            heapq.heappush(self.free_rows, seq.row)
+        self.again.extendleft(reversed([s.request for s in seqs]))
 
 
 def runtime_tensors(models: list[torch.nn.Module]) -> list[torch.Tensor]:
@@ -81,43 +137,67 @@ class Engine:
             self.bucket_state = (shape, runtime_tensors(models), batch, step, graphs)
         _, _, batch, step, graphs = self.bucket_state
         batch.clear_all()  # a previous generate that was closed early may have left rows
-        free_rows = list(range(seqs))  # a heap: new sequences take the lowest row
-        pending = iter(requests)
-        prefilling: list[Sequence] = []
-        running: list[Sequence | None] = [None] * seqs  # the sequence decoding in each row
-        exhausted = False
+        q = _Queue(requests, seqs, self.budget)
         # inference_mode dispatches small ops faster; torch.compile wants plain no_grad tensors.
         with torch.no_grad() if self.compile else torch.inference_mode():
             while True:
-                while not exhausted and free_rows:
-                    req = next(pending, None)
+                while q.room():
+                    req, row = q.next_request()
                     if req is None:
-                        exhausted = True
                         break
-                    row = heapq.heappop(free_rows)
                     if self.recurrent:
                         self.target.reset_state(row)  # the row's slot still holds its last sequence's state
-                    prefilling.append(Sequence(req, row_pages(row, pages_per_row), block, row))
-                finished: list[Sequence] = []
-                if prefilling:
-                    for seq in self._prefill_step(prefilling, block):
-                        prefilling.remove(seq)
-                        if seq.finish_reason:
-                            finished.append(seq)
-                        else:
-                            batch.put(seq.row, seq)
-                            running[seq.row] = seq
-                elif any(running):
-                    self._round(batch, running, step, graphs, block)
-                    finished = [s for s in running if s is not None and s.finish_reason]
+                    q.prefilling.append(Sequence(req, row_pages(row, pages_per_row), block, row))
+                if q.prefilling:
+                    involved = self._prefill_chunk(q.prefilling, q.prefill_budget)
                 else:
-                    return
+                    involved = [s for s in q.running if s is not None]
+                    if not involved:
+                        return
+                try:
+                    if q.prefilling:
+                        finished = self._prefill(involved, block, q.prefill_budget)
+                        for seq in finished:
+                            q.prefilling.remove(seq)
+                        for seq in (s for s in finished if not s.finish_reason):
+                            batch.put(seq.row, seq)
+                            q.running[seq.row] = seq
+                        finished = [s for s in finished if s.finish_reason]
+                    else:
+                        self._round(batch, q.running, step, graphs, block)
+                        finished = [s for s in involved if s.finish_reason]
+                except Exception as error:  # noqa: BLE001 - any failure: decide what it costs
+                    finished = self._recover(error, involved, q, batch, bucket)
                 for seq in finished:
-                    if running[seq.row] is seq:
-                        running[seq.row] = None
-                        batch.clear(seq.row)
-                    heapq.heappush(free_rows, seq.row)
+                    q.release(seq, batch)
                     yield seq.completion(self.decode)
+
+    def _recover(self, error: Exception, involved: list[Sequence], q: _Queue, batch: DecodeBatch,
+                 bucket: Bucket) -> list[Sequence]:
+        """A step raised. Out of memory: its sequences start over later with half as many at a
+        time (and half the prefill budget), and only one that runs out alone fails. Any other
+        error: a sequence that was alone fails, naming the error; otherwise its sequences start
+        over one at a time, so the one that raises is found and only it fails. A failed
+        sequence is an error row; the rest of the bucket goes on (and a resume never meets the
+        failing row again)."""
+        oom = is_out_of_memory(error)
+        alone = len(involved) == 1 and (not oom or q.limit == 1 and q.prefill_budget == q.min_prefill)
+        if alone:
+            seq = involved[0]
+            kind = "out_of_memory" if oom else f"engine_{type(error).__name__}"
+            seq.fail(kind, f"{'out of memory even alone' if oom else 'the engine failed on this request'}: "
+                           f"{error}".strip()[:2000])
+            q.forget(seq, batch)
+            return [seq]
+        if oom:
+            q.limit = max(1, min(q.limit, len(involved)) // 2)
+            q.prefill_budget = max(q.min_prefill, q.prefill_budget // 2)
+            self.log(f"bucket {bucket.name}: out of memory with {len(involved)} sequences; going on with "
+                     f"{q.limit} at a time and prefill chunks of {q.prefill_budget} tokens")
+        else:
+            q.suspects |= {s.request.key for s in involved}
+        q.requeue(involved, batch)
+        return []
 
     # -- steps ---------------------------------------------------------------------------------
     def _allocate(self, bucket: Bucket, block: int, pages_per_row: int,
@@ -159,34 +239,48 @@ class Engine:
         (compiled rounds run at 2 or more: size 1 would be specialised and compiled again)."""
         return next((s for s in self.capture_sizes or () if s >= n), max(n, 2) if self.compile else n)
 
-    def _prefill_step(self, seqs: list[Sequence], block: int) -> list[Sequence]:
-        """Run the next prompt chunk of as many sequences as the token budget allows; returns
-        those whose prompt is complete, each with its first token."""
-        rows, chunked, budget = [], [], self.budget
-        for seq in seqs:
+    @staticmethod
+    def _prefill_chunk(prefilling: list[Sequence], budget: int) -> list[Sequence]:
+        """The sequences whose next prompt chunk runs now, as many as the token budget allows."""
+        chosen = []
+        for seq in prefilling:
             if budget == 0:
                 break
+            chosen.append(seq)
+            budget -= min(len(seq.prompt) - seq.prefilled, budget)
+        return chosen
+
+    def _prefill(self, seqs: list[Sequence], block: int, budget: int) -> list[Sequence]:
+        """Run the next prompt chunk of `seqs`; returns those whose prompt is complete, each
+        with its first token (or failed: logits that are not finite)."""
+        rows = []
+        for seq in seqs:
             n = min(len(seq.prompt) - seq.prefilled, budget)
             rows.append(SeqRows(seq.pages, seq.prefilled, n, seq.prefilled + n))
-            chunked.append(seq)
             budget -= n
         ids, last_rows, finishing, row = [], [], [], 0
-        for seq, r in zip(chunked, rows):
+        for seq, r in zip(seqs, rows):
             ids += seq.prompt[r.start:r.start + r.count]
             row += r.count
-            seq.prefilled += r.count
-            if seq.prefilled == len(seq.prompt):
+            if r.start + r.count == len(seq.prompt):
                 last_rows.append(row - 1)
                 finishing.append(seq)
-        meta = build_meta(rows, self.page_size, last_rows, self.device, [s.row for s in chunked],
+        meta = build_meta(rows, self.page_size, last_rows, self.device, [s.row for s in seqs],
                           backend=self.attention, name="prefill")
         self.attention.plan(meta)
         logits, taps = self.target(torch.tensor(ids, dtype=torch.int64, device=self.device), meta)
         if block > 1:
             self.drafter.write_context(taps, meta)
+        for seq, r in zip(seqs, rows):  # only now: a step that raised leaves nothing half-counted
+            seq.prefilled += r.count
         if not finishing:
             return []
-        for seq, t in zip(finishing, self._first_tokens(logits, finishing).tolist()):
+        finite = torch.isfinite(logits).all(-1).tolist()
+        for seq, t, ok in zip(finishing, self._first_tokens(logits, finishing).tolist(), finite):
+            if not ok:
+                seq.fail("non_finite_logits", f"the target's logits after the prompt ({len(seq.prompt)} "
+                                              "tokens) are not finite")
+                continue
             seq.t_first = time.monotonic()
             seq.append([t])
             seq.check_stop_strings(self.decode, 1)
@@ -226,6 +320,10 @@ class Engine:
             step(batch, size, greedy, max(positions) + block)
         for seq, row in zip(running[:n], batch.out[:n].tolist()):
             if seq is None:
+                continue
+            if row[block + 1] == ERROR:
+                seq.fail("non_finite_logits", f"the target's logits at positions {seq.position}.."
+                                              f"{seq.position + block - 1} are not finite")
                 continue
             before, kept = len(seq.tokens), row[block]
             seq.tokens += row[:kept]

@@ -63,11 +63,13 @@ class Completion:
     key: RequestKey
     token_ids: list[int]
     text: str
-    finish_reason: str             # "stop" | "length"
+    finish_reason: str             # "stop" | "length" | "error"
     stop_reason: str | None        # the stop string, or the stop token id as text
     spec: SpecCounters | None      # None when the bucket ran without a drafter
     ttft_s: float                  # admission -> first token
     latency_s: float               # admission -> finished
+    error_type: str | None = None  # why this request failed (finish_reason "error"); others go on
+    error: str | None = None
 
 
 class Engine(Protocol):

@@ -32,6 +32,8 @@ from dflash_batch.engine.batch import DecodeBatch
 from dflash_batch.engine.sampling import choose_tokens
 from kernels.sample import top1
 
+ERROR = 3  # a finished code beside kernels.accept's STOP and LENGTH: the logits were not finite
+
 
 class Round:
     """`compile`: run the round through torch.compile (inductor fuses it into C++ loops on the
@@ -77,6 +79,9 @@ class Round:
                                    b.top_p[:n].reshape(-1), b.seed[:n].reshape(-1), positions + 1,
                                    self.ops.sample)
         accepted = self.ops.accept(ids, chosen.view(n, B), b.pos[:n], b.budget[:n], b.stop_ids[:n], b.out[:n])
+        # A row whose logits are not finite fails alone (its sequence becomes an error row).
+        finite = torch.isfinite(logits).all(-1).view(n, B).all(-1)
+        b.out[:n, B + 1] = torch.where(finite, b.out[:n, B + 1], ERROR)
         if self.drafter is not None:
             self.drafter.write_context(taps, verify)
         if self.recurrent:

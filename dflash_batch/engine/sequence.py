@@ -20,6 +20,8 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: str | None = None
         self.text: str | None = None       # set when a stop string cut the output
+        self.error_type: str | None = None
+        self.error: str | None = None
         self.t_admit = time.monotonic()
         self.t_first: float | None = None
 
@@ -57,6 +59,10 @@ class Sequence:
                 self.text, self.finish_reason, self.stop_reason = text[:i], "stop", s
                 return
 
+    def fail(self, error_type: str, error: str) -> None:
+        """This request failed on its own (the rest of its batch goes on): an error row."""
+        self.finish_reason, self.error_type, self.error, self.text = "error", error_type, error, ""
+
     def completion(self, decode) -> Completion:
         now = time.monotonic()
         if self.text is None:
@@ -64,4 +70,5 @@ class Sequence:
             self.text = decode(self.tokens[:-1] if ends_on_stop_token else self.tokens)
         return Completion(key=self.request.key, token_ids=self.tokens, text=self.text,
                           finish_reason=self.finish_reason, stop_reason=self.stop_reason, spec=self.spec,
-                          ttft_s=(self.t_first or now) - self.t_admit, latency_s=now - self.t_admit)
+                          ttft_s=(self.t_first or now) - self.t_admit, latency_s=now - self.t_admit,
+                          error_type=self.error_type, error=self.error)

@@ -8,8 +8,11 @@ Layout of an output directory:
 
 from __future__ import annotations
 
+import fcntl
 import os
-from collections.abc import Iterable
+import socket
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +22,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dflash_batch import __version__
-from dflash_batch.io.outputs import OUTPUT_TYPES, SCHEMA_VERSION, atomic_write_bytes
+from dflash_batch.io.outputs import OUTPUT_TYPES, SCHEMA_VERSION, CommitError, atomic_write_bytes
 from dflash_batch.job import Job, JobError, is_tuning
 from dflash_batch.plan.shards import Shard, hash64
 
@@ -54,13 +57,16 @@ def lock_run(out_dir: Path, job: Job, shard: Shard) -> str:
     path = out_dir / "run.json"
     if not path.exists():
         tmp = out_dir / f".run.json.{os.getpid()}.tmp"
-        tmp.write_bytes(orjson.dumps(record, option=orjson.OPT_INDENT_2))
         try:
+            tmp.write_bytes(orjson.dumps(record, option=orjson.OPT_INDENT_2))
             os.link(tmp, path)  # fails if another task created it first: then check theirs
         except FileExistsError:
             pass
+        except OSError as e:
+            raise CommitError(f"{path}: cannot create it: {e.strerror or e}; nothing was generated. Fix the "
+                              "disk (free space, permissions) and rerun the same command") from e
         finally:
-            tmp.unlink()
+            tmp.unlink(missing_ok=True)
     try:
         old = orjson.loads(path.read_bytes())
     except orjson.JSONDecodeError:
@@ -78,6 +84,30 @@ def lock_run(out_dir: Path, job: Job, shard: Shard) -> str:
         raise JobError(f"{out_dir}: the job changed since this run started (changed: "
                        f"{', '.join(changed) or 'unknown'}). {fix}")
     return record["config_hash"]
+
+
+@contextmanager
+def shard_lock(out_dir: Path, index: int) -> Iterator[None]:
+    """Hold this shard's writer lock: an OS lock (POSIX, so NFS honours it across nodes) that the
+    kernel releases when the process ends, however it ends. A second process on the same shard
+    of the same directory is refused instead of interleaving parts with the first."""
+    d = shard_dir(out_dir, index)
+    d.mkdir(parents=True, exist_ok=True)
+    fd = os.open(d / ".writer.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise JobError(f"{d}: shard {index} is being written by another process ({holder}). Two processes on "
+                       "one shard would interleave; wait for it or stop it, then rerun (more shards, "
+                       "--shard I/N or a Slurm array, run in parallel)") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+    try:
+        yield
+    finally:
+        os.close(fd)
 
 
 def key_hash(row_id: str, sample_index: int) -> int:

@@ -7,6 +7,7 @@ the committed files are the single record of progress.
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 from pathlib import Path
@@ -97,14 +98,32 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class CommitError(RuntimeError):
+    """Writing an output file failed (a full disk, an I/O error): what was committed before is
+    intact, this file is not; the message says which and what to do."""
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write to a hidden temporary file, fsync it, rename it into place, fsync the directory:
+    the file is whole or absent. A failure removes the temporary file and says which step."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    step = "writing"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            step = "syncing"
+            os.fsync(f.fileno())
+        step = "renaming it into place"
+        os.replace(tmp, path)
+        step = "syncing its directory"
+        _fsync_dir(path.parent)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        what = errno.errorcode.get(e.errno, "OSError")
+        raise CommitError(f"{path}: {step} failed: {e.strerror or e} ({what}). Files committed before it are "
+                          "intact; fix the disk (free space, check the device) and rerun the same command: "
+                          "it resumes from what is committed") from e
 
 
 class PartWriter:
