@@ -73,29 +73,43 @@ def test_out_of_memory_halves_the_batch_and_loses_nothing(pair, where, sampling)
     assert any("out of memory with" in line for line in lines), lines
 
 
-def test_out_of_memory_alone_fails_only_that_request(pair):
-    """Request 4's prefill always runs out of memory: the batch halves until request 4 runs
-    alone with the smallest prefill chunk, still runs out, and is an error row; every other
-    request is what an uninterrupted run gives."""
+def starts_request(ids, meta, prompt: list[int]) -> bool:
+    """Whether this prefill forward holds the first chunk of the request with `prompt` (its
+    first 8 tokens at a sequence's position 0; unique among these prompts)."""
+    starts = meta.q_index[:, 0][meta.q_positions[:, 0] == 0].tolist()
+    return meta.name == "prefill" and any(ids[r:r + 8].tolist() == prompt[:8] for r in starts)
+
+
+def fails_alone(pair, victim: int, error: Exception) -> dict:
+    """Outcomes when every prefill that starts request `victim` raises `error`."""
     target, drafter = pair
-    want = outcomes(Engine(target, drafter, dtype=F64), {})
-    head = random_prompts(LENGTHS, seed=21)[4][:8]  # its first chunk starts with these
-    real = target.forward
+    real, prompt = target.forward, random_prompts(LENGTHS, seed=21)[victim]
 
     def forward(ids, meta, *args, **kwargs):
-        if meta.name == "prefill":
-            starts = (meta.q_index[:, 0][meta.q_positions[:, 0] == 0]).tolist()
-            if any(ids[r:r + 8].tolist() == head for r in starts):
-                raise torch.OutOfMemoryError("injected")
+        if starts_request(ids, meta, prompt):
+            raise error
         return real(ids, meta, *args, **kwargs)
 
     target.forward = forward
     try:
-        got = outcomes(Engine(target, drafter, dtype=F64), {})
+        return outcomes(Engine(target, drafter, dtype=F64), {})
     finally:
         target.forward = real
-    assert got["4"][2:] == ("error", "out_of_memory")
-    assert {k: v for k, v in got.items() if k != "4"} == {k: v for k, v in want.items() if k != "4"}
+
+
+@pytest.mark.parametrize("victim, error, kind", [
+    (4, torch.OutOfMemoryError("injected: out of memory"), "out_of_memory"),
+    (3, ValueError("injected: a bug only this request reaches"), "engine_ValueError"),
+], ids=["out_of_memory", "exception"])
+def test_a_request_that_fails_alone_costs_only_itself(pair, victim, error, kind):
+    """Out of memory: the batch halves until the request runs alone with the smallest prefill
+    chunk, and still fails. Any other exception: its batch starts over one at a time, the
+    request raises again alone. Either way it is an error row naming why, and every other
+    request is what an uninterrupted run gives."""
+    want = outcomes(Engine(*pair, dtype=F64), {})
+    got = fails_alone(pair, victim, error)
+    assert got[str(victim)][2:] == ("error", kind)
+    assert {k: v for k, v in got.items() if k != str(victim)} == {k: v for k, v in want.items() if k != str(victim)}
 
 
 def test_non_finite_logits_fail_one_row(pair):
@@ -117,30 +131,3 @@ def test_non_finite_logits_fail_one_row(pair):
     failed = {k: v for k, v in got.items() if v[2] == "error"}
     assert len(failed) == 1 and next(iter(failed.values()))[3] == "non_finite_logits"
     assert {k: v for k, v in got.items() if k not in failed} == {k: v for k, v in want.items() if k not in failed}
-
-
-def test_an_exception_one_request_raises_costs_that_request_only(pair):
-    """The engine raises whenever request 3's prompt is in a prefill: the batch starts over one
-    at a time, request 3 alone raises again and is an error row naming the exception."""
-    target, drafter = pair
-    want = outcomes(Engine(target, drafter, dtype=F64), {})
-    marker = random_prompts(LENGTHS, seed=21)[3]
-
-    def raise_on_marker(meta, result):
-        raise ValueError("injected: a bug only request 3 reaches")
-
-    real = target.forward
-
-    def forward(ids, meta, *args, **kwargs):
-        if meta.name == "prefill" and len(ids) >= len(marker) and any(
-                ids[i:i + len(marker)].tolist() == marker for i in range(len(ids) - len(marker) + 1)):
-            raise_on_marker(meta, None)
-        return real(ids, meta, *args, **kwargs)
-
-    target.forward = forward
-    try:
-        got = outcomes(Engine(target, drafter, dtype=F64), {})
-    finally:
-        target.forward = real
-    assert got["3"][2:] == ("error", "engine_ValueError")
-    assert {k: v for k, v in got.items() if k != "3"} == {k: v for k, v in want.items() if k != "3"}
