@@ -154,6 +154,10 @@ def build_engine(job: Job, tokenizer: Tokenizer, setup: EngineSetup | None = Non
     setup = setup or resolve_engine(job)
     dtype = DTYPES[job.model.dtype]
     target = _load(job.model.target, dtype, setup.device, "target")
+    if tokenizer.vocab_size > target.vocab_size:
+        raise JobError(f"the tokenizer of {job.model.tokenizer or job.model.target} has {tokenizer.vocab_size} "
+                       f"tokens but model.target {job.model.target} has a vocabulary of {target.vocab_size}: "
+                       "they do not belong together (set model.tokenizer to the target's own)")
     drafter = None
     say = (lambda line: print(line, file=sys.stderr)) if parallel.rank() == 0 else (lambda line: None)
     if job.model.drafter:

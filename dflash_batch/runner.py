@@ -216,6 +216,9 @@ def run_job(job: Job, engine_factory: EngineFactory, shard: Shard, progress: boo
             raise JobError(f"input.passthrough_columns: {col!r} collides with an output column")
     check_inputs(job.input)
     tokenizer = Tokenizer(job.model.tokenizer or job.model.target, job.model.chat_template)
+    if job.input.messages_column and tokenizer.chat_template is None:
+        raise JobError(f"input.messages_column: the tokenizer of {job.model.tokenizer or job.model.target} has no "
+                       "chat template; set model.chat_template, or give raw text with input.prompt_column")
     out_dir = Path(job.output.dir)
     # Rank 0 creates run.json; every rank reads the committed rows before any rank writes more,
     # so all ranks schedule the same requests (their collectives must match).

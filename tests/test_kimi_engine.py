@@ -133,7 +133,7 @@ def job_for(target_dir, drafter_dir):
 
 @pytest.mark.parametrize("stream", STREAMS)
 def test_build_engine_names_the_tap_stream(pairs, stream, capsys):
-    engine = build_engine(job_for(*pairs[stream]), SimpleNamespace(decode=lambda ids: ""))
+    engine = build_engine(job_for(*pairs[stream]), SimpleNamespace(decode=lambda ids: "", vocab_size=1))
     assert engine.target.tap_stream == stream
     assert f"taps: layers={tuple(TAPS)} stream={stream}" in capsys.readouterr().err
 
@@ -148,4 +148,4 @@ def test_build_engine_refuses_unknown_stream(pairs, tmp_path, stream):
     (bad / "config.json").write_text(json.dumps(config))
     (bad / "model.safetensors").symlink_to(drafter_dir / "model.safetensors")
     with pytest.raises(JobError, match=f"aux_hidden_stream must be prefix or attn_res, got '{stream}'"):
-        build_engine(job_for(target_dir, bad), SimpleNamespace(decode=lambda ids: ""))
+        build_engine(job_for(target_dir, bad), SimpleNamespace(decode=lambda ids: "", vocab_size=1))

@@ -51,8 +51,12 @@ class _Stored:
 
 def _read_header(file: Path) -> tuple[dict[str, _Stored], list[str]]:
     """The tensors a .safetensors file lists, and report lines for those it is too short to hold."""
+    total = file.stat().st_size
     with open(file, "rb") as f:
         size = int.from_bytes(f.read(8), "little")
+        if not 0 < size <= total - 8:
+            raise ValueError(f"{file} has no valid safetensors header: its first 8 bytes claim a header of "
+                             f"{size} bytes in a file of {total}")
         try:
             header = json.loads(f.read(size))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:

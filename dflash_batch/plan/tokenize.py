@@ -82,6 +82,11 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
+    @property
+    def vocab_size(self) -> int:
+        """Ids this tokenizer can produce (special tokens included)."""
+        return self._backend.vocab_size
+
     # -- chat ----------------------------------------------------------------------------------
     def render_chat(self, messages: list[dict], template_kwargs: dict[str, Any]) -> str:
         if self.chat_template is None:
@@ -105,6 +110,7 @@ class _HFBackend:
         import tokenizers
 
         self.tok = tokenizers.Tokenizer.from_file(str(path))
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
         return [e.ids for e in self.tok.encode_batch_fast(texts, add_special_tokens=add_special_tokens)]
@@ -130,6 +136,7 @@ class _TiktokenBackend:
         self.enc = tiktoken.Encoding(name=path.parent.name, pat_str=KIMI_PATTERN,
                                      mergeable_ranks=ranks, special_tokens=special)
         self.special_ids = set(special.values())
+        self.vocab_size = self.enc.n_vocab
         self.bos = _token_text(config.get("bos_token"))
         self.add_bos = bool(config.get("add_bos_token", False))
 
