@@ -39,9 +39,9 @@ def comparable(rows: list[dict]) -> dict:
 def job(tmp_path: Path, out: str) -> Path:
     d = tmp_path / "models"
     if not d.exists():
-        target = make_target(d / "target", vocab=256, active=8)
+        target = make_target(d / "target", vocab=320, active=8)  # holds the tokenizer's 261 ids
         make_tokenizer_dir(target, vocab_size=256)
-        make_drafter(d / "drafter", 1, vocab=256)
+        make_drafter(d / "drafter", 1, vocab=320)
     rows = [{"id": f"r{i}", "prompt": "What is 12 plus 30? " * (1 + i % 6)} for i in range(ROWS)]
     rows[9] = {"id": "r9", "prompt": ""}  # an error row survives resumes too
     write_jsonl(tmp_path / "p.jsonl", rows)
