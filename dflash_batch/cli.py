@@ -40,7 +40,7 @@ def main() -> None:
     """Offline batch generation with DFlash speculative decoding."""
 
 
-def _run_shard(job: Job, shard: Shard, progress: bool) -> None:
+def _run_shard(job: Job, shard: Shard, progress: bool, job_file: str) -> None:
     """Run one shard in this process (one tensor-parallel rank); rank 0 reports."""
     from dflash_batch import parallel
     from dflash_batch.build import build_engine
@@ -48,7 +48,7 @@ def _run_shard(job: Job, shard: Shard, progress: bool) -> None:
     from dflash_batch.runner import Preempted, run_job
 
     try:
-        result = run_job(job, build_engine, shard, progress=progress)
+        result = run_job(job, build_engine, shard, progress=progress, job_file=job_file)
     except JobError as e:
         _fail(e)
     except CommitError as e:
@@ -64,7 +64,7 @@ def _run_shard(job: Job, shard: Shard, progress: bool) -> None:
                             s["proposal_acceptance"]] for name, s in result.stats.items()]))
 
 
-def _tp_rank(rank: int, world: int, port: int, job: Job, shard: Shard, progress: bool) -> None:
+def _tp_rank(rank: int, world: int, port: int, job: Job, shard: Shard, progress: bool, job_file: str) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
@@ -75,7 +75,7 @@ def _tp_rank(rank: int, world: int, port: int, job: Job, shard: Shard, progress:
     if torch.cuda.is_available():
         torch.cuda.set_device(rank)
     try:
-        _run_shard(job, shard, progress)
+        _run_shard(job, shard, progress, job_file)
     finally:
         dist.destroy_process_group()
 
@@ -108,9 +108,9 @@ def run(job_file: str, shard_text: str | None, output_dir: str | None, no_progre
     if parallel.init_from_env():
         if parallel.world_size() != tp:
             _fail(JobError(f"started with {parallel.world_size()} ranks but model.tensor_parallel_size is {tp}"))
-        _run_shard(job, shard, not no_progress)
+        _run_shard(job, shard, not no_progress, job_file)
     elif tp == 1:
-        _run_shard(job, shard, not no_progress)
+        _run_shard(job, shard, not no_progress, job_file)
     else:
         import socket
 
@@ -119,7 +119,7 @@ def run(job_file: str, shard_text: str | None, output_dir: str | None, no_progre
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        ranks = mp.start_processes(_tp_rank, args=(tp, port, job, shard, not no_progress), nprocs=tp,
+        ranks = mp.start_processes(_tp_rank, args=(tp, port, job, shard, not no_progress, job_file), nprocs=tp,
                                    join=False, start_method="spawn")
         # Slurm signals this process only: pass SIGTERM on so every rank stops at the same row.
         signal.signal(signal.SIGTERM, lambda *_: [p.terminate() for p in ranks.processes if p.is_alive()])
@@ -155,23 +155,33 @@ def validate(job_file: str, no_inputs: bool) -> None:
 @main.command()
 @click.argument("out_dir", type=click.Path(file_okay=False, exists=True))
 def status(out_dir: str) -> None:
-    """Rows done / error per shard and per bucket, from the committed files of OUT_DIR."""
+    """Rows done / error per shard and per bucket, from the committed files of OUT_DIR; which
+    shards are incomplete, and the sbatch line that finishes them."""
+    from dflash_batch.io.ledger import array_spec, shard_states
+
     out = Path(out_dir)
     run_file = out / "run.json"
     if not run_file.exists():
         _fail(JobError(f"{out}: no run.json; not a dflash-batch output directory"))
-    num_shards = orjson.loads(run_file.read_bytes())["num_shards"]
+    run_record = orjson.loads(run_file.read_bytes())
+    num_shards = run_record["num_shards"]
     rows = read_committed(out, ["shard_index", "bucket", "status"]).to_pylist()
-    for key, title in (("shard_index", "shard"), ("bucket", "bucket")):
-        counts = Counter((r[key], r["status"]) for r in rows)
-        names = sorted({k for k, _ in counts}, key=lambda x: (x is None, x))
-        if key == "shard_index":
-            names = range(num_shards)
-        click.echo(_table([title, "ok", "error"], [[n, counts[(n, "ok")], counts[(n, "error")]]
-                                                    for n in names]))
-        click.echo("")
-    click.echo(f"total: {sum(r['status'] == 'ok' for r in rows)} ok, "
-               f"{sum(r['status'] != 'ok' for r in rows)} error, {num_shards} shard(s)")
+    states = shard_states(out, num_shards)
+    counts = Counter((r["shard_index"], r["status"]) for r in rows)
+    click.echo(_table(["shard", "ok", "error", "state"],
+                      [[i, counts[(i, "ok")], counts[(i, "error")], states[i]] for i in range(num_shards)]))
+    counts = Counter((r["bucket"], r["status"]) for r in rows)
+    names = sorted({k for k, _ in counts}, key=lambda x: (x is None, x))
+    click.echo("\n" + _table(["bucket", "ok", "error"], [[n, counts[(n, "ok")], counts[(n, "error")]] for n in names]))
+    click.echo(f"\ntotal: {sum(r['status'] == 'ok' for r in rows)} ok, "
+               f"{sum(r['status'] != 'ok' for r in rows)} error, {num_shards} shard(s), "
+               f"{states.count('complete')} complete")
+    todo = [i for i, s in enumerate(states) if s != "complete"]
+    if todo:
+        job_file = run_record.get("job_file") or "JOB_FILE"
+        click.echo(f"incomplete: shard(s) {array_spec(todo)}; to finish them:\n"
+                   f"  sbatch --array={array_spec(todo)} --export=ALL,DFLASH_SHARDS={num_shards} "
+                   f"jobs/slurm/array.sbatch {job_file}")
 
 
 @main.command()

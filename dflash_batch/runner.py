@@ -208,7 +208,8 @@ class _Run:
         return self.writer.committed_rows
 
 
-def run_job(job: Job, engine_factory: EngineFactory, shard: Shard, progress: bool = True) -> RunResult:
+def run_job(job: Job, engine_factory: EngineFactory, shard: Shard, progress: bool = True,
+            job_file: str | None = None) -> RunResult:
     """Run this shard of the job. Everything that can make the job fail as a whole (inputs,
     tokenizer, run.json, checkpoints) is checked before the first row is generated."""
     for col in job.input.passthrough_columns:
@@ -222,9 +223,9 @@ def run_job(job: Job, engine_factory: EngineFactory, shard: Shard, progress: boo
     out_dir = Path(job.output.dir)
     # Rank 0 creates run.json; every rank reads the committed rows before any rank writes more,
     # so all ranks schedule the same requests (their collectives must match).
-    config_hash = lock_run(out_dir, job, shard) if parallel.rank() == 0 else None
+    config_hash = lock_run(out_dir, job, shard, job_file) if parallel.rank() == 0 else None
     parallel.barrier()
-    config_hash = config_hash or lock_run(out_dir, job, shard)
+    config_hash = config_hash or lock_run(out_dir, job, shard, job_file)
     with shard_lock(out_dir, shard.index) if parallel.rank() == 0 else contextlib.nullcontext():
         engine = engine_factory(job, tokenizer)
         run = _Run(job, shard, tokenizer, engine, config_hash, progress)
@@ -239,10 +240,10 @@ def run_job(job: Job, engine_factory: EngineFactory, shard: Shard, progress: boo
             # disk that stopped the run may still be full) must not hide why the run stopped.
             if parallel.rank() == 0:
                 with contextlib.suppress(Exception):
-                    write_shard_stats(out_dir, shard.index)
+                    write_shard_stats(out_dir, shard.index, complete=False)
             raise
         finally:
             if on_main:
                 signal.signal(signal.SIGTERM, previous)
-        stats = write_shard_stats(out_dir, shard.index) if parallel.rank() == 0 else {}
+        stats = write_shard_stats(out_dir, shard.index, complete=True) if parallel.rank() == 0 else {}
     return RunResult(shard, written, stats)

@@ -47,12 +47,14 @@ def _changed_fields(old: dict, new: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def lock_run(out_dir: Path, job: Job, shard: Shard) -> str:
+def lock_run(out_dir: Path, job: Job, shard: Shard, job_file: str | None = None) -> str:
     """Write run.json if absent (atomically, race-free across array tasks), else check that it
-    describes the same logical run. Returns the config hash."""
+    describes the same logical run. Returns the config hash. `job_file` (the path it was run
+    from) is recorded for `status` to print the command that finishes the run."""
     out_dir.mkdir(parents=True, exist_ok=True)
     record = {"config_hash": job.output_hash(), "num_shards": shard.count,
               "schema_version": SCHEMA_VERSION, "dflash_batch": __version__,
+              "job_file": str(Path(job_file).resolve()) if job_file else None,
               "job": job.model_dump(mode="json", exclude={"sharding"})}
     path = out_dir / "run.json"
     if not path.exists():
@@ -211,9 +213,37 @@ def bucket_stats(tables: Iterable[pa.Table]) -> dict[str, dict]:
     return totals
 
 
-def write_shard_stats(out_dir: Path, index: int) -> dict[str, dict]:
+def write_shard_stats(out_dir: Path, index: int, complete: bool) -> dict[str, dict]:
+    """Per-bucket totals of the shard's committed parts, and whether its run got through all of
+    its input (`status` reads that)."""
     stats = bucket_stats(pq.read_table(f, columns=STAT_COLUMNS) for f in part_files(out_dir, index))
     (out_dir / "stats").mkdir(exist_ok=True)
     atomic_write_bytes(out_dir / "stats" / f"shard-{index:05d}.json",
-                       orjson.dumps({"shard": index, "buckets": stats}, option=orjson.OPT_INDENT_2))
+                       orjson.dumps({"shard": index, "complete": complete, "buckets": stats},
+                                    option=orjson.OPT_INDENT_2))
     return stats
+
+
+def shard_states(out_dir: Path, num_shards: int) -> list[str]:
+    """Each shard's state from its stats file: complete, incomplete (stopped before the end of
+    its input: preempted, killed, failed) or not started."""
+    states = []
+    for i in range(num_shards):
+        path = out_dir / "stats" / f"shard-{i:05d}.json"
+        if path.exists():
+            states.append("complete" if orjson.loads(path.read_bytes()).get("complete") else "incomplete")
+        else:
+            states.append("incomplete" if part_files(out_dir, i) else "not started")
+    return states
+
+
+def array_spec(indices: list[int]) -> str:
+    """Slurm's --array syntax for these task ids: 1,3,5-7."""
+    out, i = [], 0
+    while i < len(indices):
+        j = i
+        while j + 1 < len(indices) and indices[j + 1] == indices[j] + 1:
+            j += 1
+        out.append(str(indices[i]) if i == j else f"{indices[i]}-{indices[j]}")
+        i = j + 1
+    return ",".join(out)
