@@ -190,12 +190,17 @@ def status(out_dir: str) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable JSON instead of Markdown.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
               help="Where to write the PNG (default: OUT_DIR/report.png).")
-def report(out_dir: str, group_by: str | None, as_json: bool, plot_path: str | None) -> None:
-    """Acceptance tables of OUT_DIR (all shards): per group, per bucket, per position."""
+@click.option("--answer-column", help="A column with each prompt's expected answer: score the responses.")
+@click.option("--match", type=click.Choice(["exact", "contains", "last-number"]), default="last-number",
+              show_default=True, help="How a response must give the answer.")
+def report(out_dir: str, group_by: str | None, as_json: bool, plot_path: str | None, answer_column: str | None,
+           match: str) -> None:
+    """Acceptance tables of OUT_DIR (all shards): per group, per bucket, per position; with an
+    answer column, how many responses are right."""
     from dflash_batch.report import build_report, plot, to_markdown
 
     try:
-        result = build_report(Path(out_dir), group_by)
+        result = build_report(Path(out_dir), group_by, answer_column, match)
     except (FileNotFoundError, KeyError) as e:
         _fail(JobError(str(e).strip('"')))
     png = Path(plot_path) if plot_path else Path(out_dir) / "report.png"

@@ -4,10 +4,15 @@ length bucket, per-position acceptance and the accepted-length histogram.
 Every ratio is pooled as a ratio of sums over rows: acc_len = 1 + sum(accepted) / sum(rounds),
 proposal acceptance = sum(accepted) / sum((B-1) * rounds), alpha_k = #(rounds with >= k accepted) /
 #rounds. A per-row mean of acc_len would weight short answers like long ones.
+
+With an expected-answer column the tables also score the responses: `exact` (the stripped
+response is the answer), `contains` (the answer appears in it) or `last-number` (its last number
+equals the answer's, as GSM8K-style graders read a final answer).
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -18,7 +23,27 @@ COLUMNS = ["row_id", "status", "finish_reason", "completion_tokens", "bucket", "
            "spec_rounds", "spec_accepted", "spec_histogram"]
 
 
-def read_rows(out_dir: Path, group_by: str | None) -> tuple[list[dict], str | None]:
+MATCHES = ("exact", "contains", "last-number")
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def is_right(response: str | None, answer, match: str) -> bool:
+    """Whether a response gives the expected answer (see the module doc for `match`)."""
+    if response is None or answer is None:
+        return False
+    answer = str(answer).strip()
+    if match == "exact":
+        return response.strip() == answer
+    if match == "contains":
+        return answer in response
+    numbers = _NUMBER.findall(response)
+    try:
+        return bool(numbers) and float(numbers[-1].replace(",", "")) == float(answer.replace(",", ""))
+    except ValueError:
+        return False
+
+
+def read_rows(out_dir: Path, group_by: str | None, answer: str | None = None) -> tuple[list[dict], str | None]:
     """Committed rows of every shard; group_by defaults to a `dataset` column when there is one."""
     files = part_files(out_dir)
     if not files:
@@ -26,15 +51,18 @@ def read_rows(out_dir: Path, group_by: str | None) -> tuple[list[dict], str | No
     names = pq.read_schema(files[0]).names
     if group_by is None and "dataset" in names:
         group_by = "dataset"
-    if group_by is not None and group_by not in names:
-        raise KeyError(f"{out_dir}: no column {group_by!r} in the output (columns: {names})")
-    cols = COLUMNS + ([group_by] if group_by else [])
+    for col, what in ((group_by, "group by"), (answer, "score against")):
+        if col is not None and col not in names:
+            raise KeyError(f"{out_dir}: no column {col!r} to {what} in the output (columns: {names})")
+    cols = COLUMNS + ([group_by] if group_by else []) + (["response", answer] if answer else [])
+    cols = list(dict.fromkeys(cols))
     rows = [r for f in files for r in pq.read_table(f, columns=cols).to_pylist()]
     return rows, group_by
 
 
-def summarize(rows: list[dict]) -> dict:
-    """One table line: acceptance pooled over `rows`."""
+def summarize(rows: list[dict], answer: str | None = None, match: str = "last-number") -> dict:
+    """One table line: acceptance pooled over `rows` (and, with an answer column, how many
+    responses give the expected answer)."""
     ok = [r for r in rows if r["status"] == "ok"]
     spec = [r for r in ok if r["spec_rounds"]]
     rounds = sum(r["spec_rounds"] for r in spec)
@@ -54,19 +82,23 @@ def summarize(rows: list[dict]) -> dict:
         "accepted": accepted,
         "histogram": hist,  # rounds with n = 0..B-1 accepted drafts
         "alpha": [sum(hist[k:]) / rounds for k in range(1, width)] if rounds else [],
+        "right": sum(is_right(r["response"], r[answer], match) for r in ok) if answer else None,
+        "scored": sum(r[answer] is not None for r in rows) if answer else None,
     }
 
 
-def build_report(out_dir: Path, group_by: str | None = None) -> dict:
-    rows, group_by = read_rows(out_dir, group_by)
+def build_report(out_dir: Path, group_by: str | None = None, answer: str | None = None,
+                 match: str = "last-number") -> dict:
+    rows, group_by = read_rows(out_dir, group_by, answer)
     groups: dict[str, list[dict]] = {}
     buckets: dict[str, list[dict]] = {}
     for r in rows:
         groups.setdefault(str(r[group_by]) if group_by else "all", []).append(r)
         buckets.setdefault(r["bucket"] or "-", []).append(r)
-    return {"group_by": group_by, "overall": summarize(rows),
-            "groups": {k: summarize(v) for k, v in sorted(groups.items())},
-            "buckets": {k: summarize(v) for k, v in sorted(buckets.items(), key=lambda kv: _edge(kv[0]))}}
+    return {"group_by": group_by, "answer": answer, "match": match, "overall": summarize(rows, answer, match),
+            "groups": {k: summarize(v, answer, match) for k, v in sorted(groups.items())},
+            "buckets": {k: summarize(v, answer, match) for k, v in sorted(buckets.items(),
+                                                                          key=lambda kv: _edge(kv[0]))}}
 
 
 def _edge(bucket: str) -> int:
@@ -81,11 +113,13 @@ def _fmt(v, digits: int = 2) -> str:
 
 
 def _table(title: str, rows: dict[str, dict]) -> list[str]:
-    lines = [f"| {title} | acc_len | proposal acceptance | prompts | requests | truncated | mean out tok |",
-             "|---|---|---|---|---|---|---|"]
+    scored = any(s["right"] is not None for s in rows.values())
+    lines = [f"| {title} | acc_len | proposal acceptance | prompts | requests | truncated | mean out tok |"
+             + (" right |" if scored else ""), "|---|---|---|---|---|---|---|" + ("---|" if scored else "")]
     for name, s in rows.items():
         lines.append(f"| {name} | {_fmt(s['acc_len'])} | {_fmt(s['proposal_acceptance'], 3)} | {s['prompts']} | "
-                     f"{s['requests']} | {s['truncated']} | {_fmt(s['mean_out_tokens'], 1)} |")
+                     f"{s['requests']} | {s['truncated']} | {_fmt(s['mean_out_tokens'], 1)} |"
+                     + (f" {s['right']}/{s['scored']} |" if scored else ""))
     return lines
 
 

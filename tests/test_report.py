@@ -63,3 +63,39 @@ def test_report_markdown_and_errors(out_dir, tmp_path):
     assert "| aime |" in out.stdout and "α_7" in out.stdout and (tmp_path / "p.png").exists()
     bad = subprocess.run([*CLI, str(out_dir), "--group-by", "nope"], capture_output=True, text=True)
     assert bad.returncode == 2 and "no column 'nope'" in bad.stderr
+
+
+@pytest.mark.parametrize("match, response, answer, right", [
+    ("exact", " 42 ", "42", True), ("exact", "The answer is 42.", "42", False),
+    ("contains", "The answer is 42.", "42", True), ("contains", "The answer is 4.", "42", False),
+    ("last-number", "12 + 30 = 42. The answer is 42.", "42", True),
+    ("last-number", "12 + 30 = 42. The answer is 43.", "42", False),
+    ("last-number", "It costs $1,250.00 in total", "1250", True),
+    ("last-number", "no number here", "7", False), ("last-number", "-3 is it", "-3", True),
+])
+def test_answer_matching(match, response, answer, right):
+    from dflash_batch.report import is_right
+
+    assert is_right(response, answer, match) is right
+
+
+def test_report_scores_an_answer_column(out_dir):
+    """The test engine's responses are its token ids as text; score them against an answer
+    column made from one row's own response (so exactly the rows that share it are right)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = read_out(out_dir)
+    target = next(r["response"] for r in rows if r["status"] == "ok")
+    for part in sorted(out_dir.rglob("part-*.parquet")):
+        t = pq.read_table(part)
+        pq.write_table(t.append_column("expected", pa.array([target] * t.num_rows)), part)
+    out = subprocess.run([*CLI, str(out_dir), "--json", "--answer-column", "expected", "--match", "exact"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    want = sum(r["status"] == "ok" and r["response"].strip() == target.strip() for r in rows)
+    assert report["overall"]["right"] == want >= 1 and report["overall"]["scored"] == len(rows)
+    md = subprocess.run([*CLI, str(out_dir), "--answer-column", "expected", "--match", "exact"],
+                        capture_output=True, text=True).stdout
+    assert f"| {want}/{len(rows)} |" in md
