@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -32,8 +33,10 @@ def test_status_counts_per_shard_and_bucket(tmp_path, model_dir):
     out = subprocess.run([*CLI, "status", str(tmp_path / "out")], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    shard_rows = {ln.split()[0]: ln.split()[1:] for ln in lines if ln.strip()[:1].isdigit() and len(ln.split()) == 3}
-    assert shard_rows["2"] == ["0", "0"]
+    table = lines[2:lines.index("")]  # the shard table: header, rule, one line a shard
+    shard_rows = {c[0]: c[1:] for c in (re.split(r"\s{2,}", ln.strip()) for ln in table)}
+    assert shard_rows["2"] == ["0", "0", "not started"]
+    assert shard_rows["0"][2] == shard_rows["1"][2] == "complete"
     total_ok = sum(int(v[0]) for k, v in shard_rows.items() if k in "012")
     assert f"total: {total_ok} ok" in out.stdout
     assert "0-32" in out.stdout and "3 shard(s)" in out.stdout
