@@ -1,6 +1,7 @@
-"""The demo training recipe (recipes/demo): a few steps of both phases at the tiny preset, then
-the proofs that what it trains is what the product runs:
-- the saved target and drafter load through the product loader and decode through the engine;
+"""The demo training recipe (recipes/demo): a short run of both phases at the tiny preset, then
+the proofs that it trains a drafter and that what it trains is what the product runs:
+- the saved target and drafter load through the product loader and decode through the engine,
+  speculative output == target-only, at an acceptance length a drafter gets only by learning;
 - the training forward of the target gives the inference model's logits and taps (same weights);
 - the training forward of the drafter gives the inference drafter's block hidden states for a
   block whose context is the target's taps, and the selector's training scores pick the
@@ -26,14 +27,17 @@ from tests.numerics import REL32, assert_close
 
 pytestmark = pytest.mark.numerics
 
-STEPS = 12
+# Enough steps for a drafter that has learned something: over seeds 0-4 this gives acc_len
+# 1.77-2.13 on 8 held-out problems (a drafter that has learned nothing gives 1.0).
+TARGET_STEPS, DRAFTER_STEPS, MIN_ACC_LEN = 60, 150, 1.5
 PAGE, PAGES = 4, list(range(64))[::-1]  # a reversed page table: slots are not positions
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
-    log = train.main(["--out", str(out), "--preset", "tiny", "--steps", str(STEPS), "--warmup", "2",
+    log = train.main(["--out", str(out), "--preset", "tiny", "--target-steps", str(TARGET_STEPS),
+                      "--drafter-steps", str(DRAFTER_STEPS), "--warmup", "2",
                       "--batch", "6", "--draft-batch", "6", "--anchors", "6", "--vocab", "384",
                       "--tokenizer-samples", "2000", "--eval-every", "0", "--stream", "attn_res"])
     return out, log
@@ -47,7 +51,7 @@ def test_losses_go_down(run):
     _, log = run
     target = [s["loss"] for s in log["target"]["steps"]]
     drafter = [s["base"] for s in log["drafter"]["steps"]]
-    assert len(target) == len(drafter) == STEPS
+    assert (len(target), len(drafter)) == (TARGET_STEPS, DRAFTER_STEPS)
     assert _mean(target[-3:]) < _mean(target[:3]) - 0.5, target
     assert _mean(drafter[-3:]) < _mean(drafter[:3]) - 0.5, drafter
 
@@ -101,8 +105,9 @@ def test_drafter_block_matches_inference(run):
 
 def test_engine_decodes_the_trained_pair(run):
     out, _ = run
-    result = evaluate.measure(out, prompts=2, max_new_tokens=12)
-    assert result["same_output"] and result["rounds"] > 0 and result["acc_len"] >= 1.0
+    result = evaluate.measure(out, prompts=8, max_new_tokens=24)
+    assert result["same_output"], "speculative greedy output differs from target-only"
+    assert result["acc_len"] >= MIN_ACC_LEN, result
 
 
 def test_saved_checkpoints_are_hf_layout(run):
