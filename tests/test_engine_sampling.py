@@ -178,6 +178,29 @@ def test_chunked_prefill_matches_one_shot(models, sampling):
     assert [c.spec.per_round for c in chunked] == [c.spec.per_round for c in one_shot]
 
 
+def test_prefill_chunks_of_a_sequence_do_not_depend_on_its_neighbours(models, monkeypatch):
+    """Where a prompt's prefill is cut decides which rows share a matmul, so it must not move with
+    the batch: each prompt's chunks are the same alone, beside others, and in any order."""
+    seen: dict[tuple, list[tuple[int, int]]] = {}
+
+    def spy(self, chunks, block):
+        for seq, n in chunks:
+            seen.setdefault(tuple(seq.prompt), []).append((seq.prefilled, n))
+        return original(self, chunks, block)
+
+    original = Engine._prefill
+    monkeypatch.setattr(Engine, "_prefill", spy)
+    engine = Engine(*load_pair(models["target"], models["v2"]), max_num_batched_tokens=16)
+    prompts = random_prompts([40, 5, 17, 16, 3, 33, 9], seed=3)
+    splits = []
+    for order, seqs in [(prompts, 1), (prompts, 16), (prompts[::-1], 4)]:
+        seen.clear()
+        run(engine, order, bucket(max_num_seqs=seqs), max_new_tokens=2)
+        splits.append({p: seen[tuple(p)] for p in map(tuple, prompts)})
+    assert splits[0] == splits[1] == splits[2]
+    assert splits[0][tuple(prompts[0])] == [(0, 16), (16, 16), (32, 8)]
+
+
 # -- stop strings ----------------------------------------------------------------------------------
 def decode(ids: list[int]) -> str:
     return "".join("abcdefgh"[i] for i in ids)

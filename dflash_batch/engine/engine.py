@@ -149,14 +149,15 @@ class Engine:
                         self.target.reset_state(row)  # the row's slot still holds its last sequence's state
                     q.prefilling.append(Sequence(req, row_pages(row, pages_per_row), block, row))
                 if q.prefilling:
-                    involved = self._prefill_chunk(q.prefilling, q.prefill_budget)
+                    chunks = self._prefill_chunk(q.prefilling, q.prefill_budget)
+                    involved = [seq for seq, _ in chunks]
                 else:
                     involved = [s for s in q.running if s is not None]
                     if not involved:
                         return
                 try:
                     if q.prefilling:
-                        finished = self._prefill(involved, block, q.prefill_budget)
+                        finished = self._prefill(chunks, block)
                         for seq in finished:
                             q.prefilling.remove(seq)
                         for seq in (s for s in finished if not s.finish_reason):
@@ -240,24 +241,22 @@ class Engine:
         return next((s for s in self.capture_sizes or () if s >= n), max(n, 2) if self.compile else n)
 
     @staticmethod
-    def _prefill_chunk(prefilling: list[Sequence], budget: int) -> list[Sequence]:
-        """The sequences whose next prompt chunk runs now, as many as the token budget allows."""
+    def _prefill_chunk(prefilling: list[Sequence], budget: int) -> list[tuple[Sequence, int]]:
+        """The prompt chunks that run now: (sequence, tokens). A sequence's chunks end at multiples
+        of `budget` from its first token, whatever its neighbours, so its prefill splits the same
+        way in any batch, shard or resume; a step takes whole chunks, first fit, up to `budget`."""
         chosen = []
         for seq in prefilling:
-            if budget == 0:
-                break
-            chosen.append(seq)
-            budget -= min(len(seq.prompt) - seq.prefilled, budget)
+            n = min(len(seq.prompt) - seq.prefilled, budget - seq.prefilled % budget)
+            if n <= budget - sum(c for _, c in chosen):
+                chosen.append((seq, n))
         return chosen
 
-    def _prefill(self, seqs: list[Sequence], block: int, budget: int) -> list[Sequence]:
-        """Run the next prompt chunk of `seqs`; returns those whose prompt is complete, each
-        with its first token (or failed: logits that are not finite)."""
-        rows = []
-        for seq in seqs:
-            n = min(len(seq.prompt) - seq.prefilled, budget)
-            rows.append(SeqRows(seq.pages, seq.prefilled, n, seq.prefilled + n))
-            budget -= n
+    def _prefill(self, chunks: list[tuple[Sequence, int]], block: int) -> list[Sequence]:
+        """Run these prompt chunks; returns the sequences whose prompt is complete, each with its
+        first token (or failed: logits that are not finite)."""
+        seqs = [seq for seq, _ in chunks]
+        rows = [SeqRows(seq.pages, seq.prefilled, n, seq.prefilled + n) for seq, n in chunks]
         ids, last_rows, finishing, row = [], [], [], 0
         for seq, r in zip(seqs, rows):
             ids += seq.prompt[r.start:r.start + r.count]
