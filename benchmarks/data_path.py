@@ -65,7 +65,7 @@ class NullEngine:
 def _children_peak_rss_mb(stop: threading.Event, out: list[float]) -> None:
     """Largest peak RSS among this process's children (the workers), polled until `stop`.
     (getrusage's RUSAGE_CHILDREN would count the parent's pages a child held before exec.)"""
-    from tests.procs import children, peak_rss_mb
+    from dflash_batch.testing.procs import children, peak_rss_mb
 
     while not stop.wait(0.2):
         out[0] = max([out[0], *(peak_rss_mb(c) for c in children(os.getpid()))])
@@ -107,7 +107,7 @@ def main() -> None:
     if args.child:
         child(Path(args.child[0]), args.child[1])
         return
-    from tests.tiny_tokenizer import make_tiktoken_dir, make_tokenizer_dir, stdlib_corpus
+    from dflash_batch.testing.tokenizer import make_tiktoken_dir, make_tokenizer_dir, stdlib_corpus
 
     work = Path(tempfile.mkdtemp(prefix="dflash-bench-"))
     corpus = stdlib_corpus()

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 import dflash.model as zl  # noqa: E402
 import transformers  # noqa: E402
 
-from dflash_batch import tiny  # noqa: E402
+from dflash_batch.testing import checkpoints  # noqa: E402
 from dflash_batch.engine.engine import Engine  # noqa: E402
 from dflash_batch.engine.pair import attach_drafter  # noqa: E402
 from dflash_batch.engine.request import Request, SamplingParams  # noqa: E402
@@ -40,12 +40,12 @@ SHAPE = dict(vocab=VOCAB, hidden=HIDDEN, inter=256, heads=4, kv_heads=2, head_di
 
 
 def make_pair(d: Path, zero_head: bool) -> tuple[Path, Path]:
-    target = tiny.qwen3_checkpoint(d / "target", layers=4, peaked=False, **SHAPE)
+    target = checkpoints.qwen3_checkpoint(d / "target", layers=4, peaked=False, **SHAPE)
     if zero_head:
         w = load_file(target / "model.safetensors")
         w["lm_head.weight"].zero_()
         save_file(w, target / "model.safetensors", metadata={"format": "pt"})
-    return target, tiny.dflash_checkpoint(d / "drafter", layers=2, **SHAPE)
+    return target, checkpoints.dflash_checkpoint(d / "drafter", layers=2, **SHAPE)
 
 
 def ours(target_dir: Path, drafter_dir: Path | None) -> Engine:

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dflash_batch import tiny  # noqa: E402
+from dflash_batch.testing import checkpoints  # noqa: E402
 from dflash_batch.engine.engine import Engine  # noqa: E402
 from dflash_batch.engine.pair import attach_drafter  # noqa: E402
 from dflash_batch.engine.request import Request, SamplingParams  # noqa: E402
@@ -108,8 +108,8 @@ def main() -> None:
     ap.add_argument("--out")
     a = ap.parse_args()
     d = Path(tempfile.mkdtemp())
-    target = load_model(tiny.qwen3_checkpoint(d / "t", layers=4, peaked=False, **SHAPE), torch.bfloat16, "cuda")
-    drafter = load_model(tiny.dflash_checkpoint(d / "d", layers=1, **SHAPE), torch.bfloat16, "cuda")
+    target = load_model(checkpoints.qwen3_checkpoint(d / "t", layers=4, peaked=False, **SHAPE), torch.bfloat16, "cuda")
+    drafter = load_model(checkpoints.dflash_checkpoint(d / "d", layers=1, **SHAPE), torch.bfloat16, "cuda")
     attach_drafter(target, drafter)
     models = (target, drafter)
     table = {"backend": a.backend, "kernels": kernel_errors(), "rounds": []}

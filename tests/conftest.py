@@ -14,7 +14,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tests.tiny_tokenizer import make_tokenizer_dir
+from dflash_batch.testing.tokenizer import make_tokenizer_dir
 
 # The tiny models here gain nothing from intra-op threads, and on a 2-core machine that is
 # also running other processes a second thread makes every small op wait for it: one thread,

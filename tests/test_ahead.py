@@ -22,7 +22,7 @@ from dflash_batch.plan.tokenize import Tokenizer
 from dflash_batch.runner import run_job
 from tests.fake_engine import fake_factory
 from tests.jobs_util import base_job, read_out, write_job, write_jsonl
-from tests.procs import alive, children
+from dflash_batch.testing.procs import alive, children
 
 ROOT = Path(__file__).resolve().parent.parent
 

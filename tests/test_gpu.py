@@ -11,7 +11,7 @@ import importlib.util
 import pytest
 import torch
 
-from dflash_batch import tiny
+from dflash_batch.testing import checkpoints
 from dflash_batch.backends.meta import AttnMeta
 from dflash_batch.backends.torch_attention import TORCH
 from dflash_batch.engine.engine import Engine
@@ -31,8 +31,8 @@ SHAPE = dict(vocab=64, hidden=256, heads=4, kv_heads=2, head_dim=64, inter=512)
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     d = tmp_path_factory.mktemp("gpu_pair")
-    return (tiny.qwen3_checkpoint(d / "target", layers=4, **SHAPE),
-            tiny.dflash_checkpoint(d / "drafter", version=1, layers=2, sliding_window=24, **SHAPE))
+    return (checkpoints.qwen3_checkpoint(d / "target", layers=4, **SHAPE),
+            checkpoints.dflash_checkpoint(d / "drafter", version=1, layers=2, sliding_window=24, **SHAPE))
 
 
 def load(pair, device: str, dtype=torch.float32, speculative: bool = True):

@@ -14,7 +14,7 @@ from dflash_batch.runner import run_job
 from tests import kimi_pair
 from tests.engine_util import F64, bucket, load_pair, make_drafter, make_target, random_prompts
 from tests.jobs_util import base_job, read_out, write_job, write_jsonl
-from tests.tiny_tokenizer import make_tokenizer_dir
+from dflash_batch.testing.tokenizer import make_tokenizer_dir
 
 SETTINGS = [dict(), dict(temperature=0.7, top_k=3), dict(temperature=1.3, top_p=0.8),
             dict(temperature=1.0), dict(temperature=0.5, top_k=2, top_p=0.9), dict(),

@@ -23,7 +23,7 @@ from dflash_batch.runner import run_job
 from tests.engine_util import make_target
 from tests.fake_engine import fake_factory
 from tests.jobs_util import base_job, read_out, write_job, write_jsonl
-from tests.tiny_tokenizer import make_tokenizer_dir
+from dflash_batch.testing.tokenizer import make_tokenizer_dir
 
 CLI = [sys.executable, "-m", "dflash_batch.cli"]
 

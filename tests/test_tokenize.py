@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from dflash_batch.plan.tokenize import KIMI_PATTERN, Tokenizer, stop_token_ids
-from tests.tiny_tokenizer import CHAT_TEMPLATE, make_tiktoken_dir
+from dflash_batch.testing.tokenizer import CHAT_TEMPLATE, make_tiktoken_dir
 
 # A template in the style of real ones: system handling, tojson, loop controls, raise_exception,
 # a kwarg switch, and no BOS of its own.

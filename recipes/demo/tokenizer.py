@@ -19,7 +19,7 @@ from recipes.demo import data
 SPECIAL = ["<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>", "<|pad|>", "<|mask|>"]
 BOS, PLAIN_EOS, EOS, PAD, MASK = "<|bos|>", "<|eos|>", "<|im_end|>", "<|pad|>", "<|mask|>"
 
-# ChatML-style; the same shape as tests/tiny_tokenizer.py. The template owns BOS.
+# ChatML-style; the same shape as dflash_batch/testing/tokenizer.py. The template owns BOS.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for m in messages %}"
