@@ -52,6 +52,7 @@ def test_losses_go_down(run):
     target = [s["loss"] for s in log["target"]["steps"]]
     drafter = [s["base"] for s in log["drafter"]["steps"]]
     assert (len(target), len(drafter)) == (TARGET_STEPS, DRAFTER_STEPS)
+    assert log["machine"]["cpu"] and log["machine"]["torch"] == torch.__version__
     assert _mean(target[-3:]) < _mean(target[:3]) - 0.5, target
     assert _mean(drafter[-3:]) < _mean(drafter[:3]) - 0.5, drafter
 

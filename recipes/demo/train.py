@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import time
 from pathlib import Path
 
@@ -62,6 +63,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def cpu_model() -> str:
+    """The CPU's model name (Linux), else the platform's processor string."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        return next(line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown"
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
     torch.set_num_threads(args.threads)
@@ -101,6 +111,9 @@ def main(argv: list[str] | None = None) -> dict:
     checkpoint.save(drafter, draft_cfg, out / "drafter", DTYPES[args.save_dtype])
 
     log["seconds"] = round(time.monotonic() - t0, 1)
+    # Training amplifies last-bit float differences between CPUs: the pair depends on the machine.
+    log["machine"] = {"cpu": cpu_model(), "torch": torch.__version__,
+                      "cpu_capability": torch.backends.cpu.get_cpu_capability()}
     log["size_mb"] = {k: round(checkpoint.size_mb(out / k), 2) for k in ("target", "drafter")}
     (out / "train_log.json").write_text(json.dumps(log))
     print(f"wrote {out}: target {log['size_mb']['target']} MB ({log['target']['params'] / 1e6:.2f}M params, "
