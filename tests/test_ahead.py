@@ -20,9 +20,9 @@ from dflash_batch.plan.ahead import prepare_ahead, prepared_batches
 from dflash_batch.plan.shards import Shard
 from dflash_batch.plan.tokenize import Tokenizer
 from dflash_batch.runner import run_job
+from dflash_batch.testing.procs import alive, children
 from tests.fake_engine import fake_factory
 from tests.jobs_util import base_job, read_out, write_job, write_jsonl
-from dflash_batch.testing.procs import alive, children
 
 ROOT = Path(__file__).resolve().parent.parent
 

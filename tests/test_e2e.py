@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from dflash_batch.testing.tokenizer import make_tokenizer_dir
 from tests.engine_util import make_drafter, make_target
 from tests.jobs_util import base_job, read_out, write_job, write_jsonl
-from dflash_batch.testing.tokenizer import make_tokenizer_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "dflash_batch.cli"]

@@ -11,10 +11,10 @@ from dflash_batch.engine.engine import Engine
 from dflash_batch.engine.request import Request, SamplingParams
 from dflash_batch.plan.shards import Shard
 from dflash_batch.runner import run_job
+from dflash_batch.testing.tokenizer import make_tokenizer_dir
 from tests import kimi_pair
 from tests.engine_util import F64, bucket, load_pair, make_drafter, make_target, random_prompts
 from tests.jobs_util import base_job, read_out, write_job, write_jsonl
-from dflash_batch.testing.tokenizer import make_tokenizer_dir
 
 SETTINGS = [dict(), dict(temperature=0.7, top_k=3), dict(temperature=1.3, top_p=0.8),
             dict(temperature=1.0), dict(temperature=0.5, top_k=2, top_p=0.9), dict(),

@@ -20,10 +20,10 @@ import pytest
 from dflash_batch.job import JobError, load_job
 from dflash_batch.plan.shards import Shard
 from dflash_batch.runner import run_job
+from dflash_batch.testing.tokenizer import make_tokenizer_dir
 from tests.engine_util import make_target
 from tests.fake_engine import fake_factory
 from tests.jobs_util import base_job, read_out, write_job, write_jsonl
-from dflash_batch.testing.tokenizer import make_tokenizer_dir
 
 CLI = [sys.executable, "-m", "dflash_batch.cli"]
 
