@@ -1,5 +1,6 @@
 """The engine on two tensor-parallel ranks (gloo) decodes exactly as on one: same tokens, same
-accepted drafts in every round, greedy and sampled."""
+accepted drafts in every round, greedy and sampled. float64 (tests/engine_tp_worker.py): the
+ranks sum partial products in another order than one process does."""
 
 from __future__ import annotations
 
