@@ -141,11 +141,13 @@ def validate(job_file: str, no_inputs: bool) -> None:
     """Check JOB_FILE, its inputs and its engine settings on this host, without running anything."""
     from dflash_batch.build import resolve_engine
     from dflash_batch.io.inputs import check_inputs
+    from dflash_batch.runner import open_tokenizer
 
     try:
         job = load_job(job_file)
         if not no_inputs:
             check_inputs(job.input)
+            open_tokenizer(job)
             click.echo(resolve_engine(job).describe())
     except JobError as e:
         _fail(e)

@@ -135,6 +135,17 @@ class OutputSpec(_Strict):
     compression: Literal["zstd", "snappy", "gzip", "none"] = "zstd"
     include_token_ids: bool = Field(False, description="Add response_token_ids to each row.")
     include_prompt: bool = Field(False, description="Add the rendered prompt text to each row.")
+    split_reasoning: bool = Field(False, description="Write a thinking model's reasoning to a `reasoning` "
+                                  "column and only the answer to `response`, split at its think delimiters.")
+    reasoning_delimiters: list[str] | None = Field(
+        None, min_length=2, max_length=2, description="[START, END] think tokens for split_reasoning; "
+        "default: the first known pair (<think>/</think>, ◁think▷/◁/think▷) the tokenizer has.")
+
+    @model_validator(mode="after")
+    def _delimiters_need_the_split(self) -> OutputSpec:
+        if self.reasoning_delimiters and not self.split_reasoning:
+            raise ValueError("reasoning_delimiters is only used with split_reasoning: true")
+        return self
 
 
 class ShardingSpec(_Strict):
@@ -165,7 +176,7 @@ class Job(_Strict):
                                       "edges; default: one bucket up to engine.max_model_len.")
     sampling: SamplingSpec = SamplingSpec()
     overflow: Literal["error", "truncate_left", "truncate_right"] = Field(
-        "error", description="A prompt that does not fit max_model_len - max_new_tokens.")
+        "error", description="A prompt that does not fit the largest bucket edge - max_new_tokens.")
     output: OutputSpec
     sharding: ShardingSpec = ShardingSpec()
 

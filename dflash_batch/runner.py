@@ -24,7 +24,8 @@ from tqdm import tqdm
 from dflash_batch import __version__, parallel
 from dflash_batch.engine.request import Completion, Engine, Request, SamplingParams
 from dflash_batch.io.inputs import check_inputs
-from dflash_batch.io.ledger import committed_keys, lock_run, shard_dir, shard_lock, write_shard_stats
+from dflash_batch.io.ledger import (check_run, committed_keys, lock_run, shard_dir, shard_lock,
+                                   write_shard_stats)
 from dflash_batch.io.outputs import RESERVED, PartWriter
 from dflash_batch.job import Job, JobError, SamplingSpec
 from dflash_batch.plan.buckets import Bucket, plan_buckets
@@ -32,6 +33,7 @@ from dflash_batch.plan.ahead import fewer_gc_passes, prepare_ahead
 from dflash_batch.plan.rows import PreparedRow, sample_seed
 from dflash_batch.plan.shards import Shard
 from dflash_batch.plan.tokenize import Tokenizer, stop_token_ids
+from dflash_batch.reasoning import Delimiters, find_delimiters, split_reasoning
 
 EngineFactory = Callable[[Job, Tokenizer], Engine]
 
@@ -49,15 +51,17 @@ class RunResult:
 
 class _Run:
     def __init__(self, job: Job, shard: Shard, tokenizer: Tokenizer, engine: Engine, config_hash: str,
-                 progress: bool):
+                 progress: bool, delimiters: Delimiters | None = None):
         self.job, self.shard, self.tok, self.engine = job, shard, tokenizer, engine
+        self.delimiters = delimiters
         self.config_hash, self.progress = config_hash, progress
         self.buckets = plan_buckets(job)
         self.eos = tuple(stop_token_ids(job.model.target, tokenizer))
         out_dir = Path(job.output.dir)
         self.done = committed_keys(out_dir, shard.index)
         optional = [c for c, on in (("response_token_ids", job.output.include_token_ids),
-                                    ("rendered_prompt", job.output.include_prompt)) if on]
+                                    ("rendered_prompt", job.output.include_prompt),
+                                    ("reasoning", delimiters is not None)) if on]
         self.writer = None if parallel.rank() else PartWriter(
             shard_dir(out_dir, shard.index), passthrough=job.input.passthrough_columns,
             optional=optional, rows_per_part=job.output.rows_per_part,
@@ -96,6 +100,11 @@ class _Run:
                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                "completion_tokens": len(c.token_ids), "response_token_ids": c.token_ids,
                "ttft_s": c.ttft_s, "latency_s": c.latency_s}
+        if self.delimiters is not None:
+            by_string = c.stop_reason is not None and c.stop_reason in row.sampling.stop
+            ids = c.token_ids[:-1] if c.finish_reason == "stop" and not by_string else c.token_ids
+            out["reasoning"], out["response"] = split_reasoning(
+                row.prompt_ids, ids, c.stop_reason if by_string else None, self.delimiters, self.tok.decode)
         if c.spec is not None:
             rounds, accepted, b = c.spec.rounds, c.spec.accepted, c.spec.block_size
             out.update(spec_block_size=b, spec_rounds=rounds, spec_accepted=accepted,
@@ -208,6 +217,18 @@ class _Run:
         return self.writer.committed_rows
 
 
+def open_tokenizer(job: Job) -> tuple[Tokenizer, Delimiters | None]:
+    """The job's tokenizer, and its think delimiters when the job splits reasoning; refuses a
+    tokenizer that cannot serve the job."""
+    where = job.model.tokenizer or job.model.target
+    tokenizer = Tokenizer(where, job.model.chat_template)
+    if job.input.messages_column and tokenizer.chat_template is None:
+        raise JobError(f"input.messages_column: the tokenizer of {where} has no chat template; set "
+                       "model.chat_template, or give raw text with input.prompt_column")
+    split = job.output.split_reasoning
+    return tokenizer, find_delimiters(tokenizer, job.output.reasoning_delimiters, where) if split else None
+
+
 def run_job(job: Job, engine_factory: EngineFactory, shard: Shard, progress: bool = True,
             job_file: str | None = None) -> RunResult:
     """Run this shard of the job. Everything that can make the job fail as a whole (inputs,
@@ -216,19 +237,18 @@ def run_job(job: Job, engine_factory: EngineFactory, shard: Shard, progress: boo
         if col in RESERVED:
             raise JobError(f"input.passthrough_columns: {col!r} collides with an output column")
     check_inputs(job.input)
-    tokenizer = Tokenizer(job.model.tokenizer or job.model.target, job.model.chat_template)
-    if job.input.messages_column and tokenizer.chat_template is None:
-        raise JobError(f"input.messages_column: the tokenizer of {job.model.tokenizer or job.model.target} has no "
-                       "chat template; set model.chat_template, or give raw text with input.prompt_column")
+    tokenizer, delimiters = open_tokenizer(job)
     out_dir = Path(job.output.dir)
-    # Rank 0 creates run.json; every rank reads the committed rows before any rank writes more,
-    # so all ranks schedule the same requests (their collectives must match).
-    config_hash = lock_run(out_dir, job, shard, job_file) if parallel.rank() == 0 else None
-    parallel.barrier()
-    config_hash = config_hash or lock_run(out_dir, job, shard, job_file)
+    check_run(out_dir, job, shard)  # a changed job is refused before any checkpoint loads
     with shard_lock(out_dir, shard.index) if parallel.rank() == 0 else contextlib.nullcontext():
         engine = engine_factory(job, tokenizer)
-        run = _Run(job, shard, tokenizer, engine, config_hash, progress)
+        # run.json only once the checkpoints loaded, so a mistyped path cannot tie the directory
+        # to it. Rank 0 creates it; every rank reads the committed rows before any rank writes
+        # more, so all ranks schedule the same requests (their collectives must match).
+        config_hash = lock_run(out_dir, job, shard, job_file) if parallel.rank() == 0 else None
+        parallel.barrier()
+        config_hash = config_hash or lock_run(out_dir, job, shard, job_file)
+        run = _Run(job, shard, tokenizer, engine, config_hash, progress, delimiters)
         parallel.barrier()
         on_main = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGTERM, lambda *_: run.stop.set()) if on_main else None

@@ -71,6 +71,33 @@ def test_bad_rows_become_error_rows_and_the_good_ones_run(tmp_path, model_dir):
         assert match, f"{what}: no error row {kind!r} saying {words!r}; got {[(r['error_type'], r['error']) for r in errors]}"
 
 
+def test_rows_the_model_cannot_take_become_error_rows(tmp_path, model_dir):
+    """Token ids outside the target's vocabulary, and a chat that the template renders to nothing."""
+    write_jsonl(tmp_path / "ids.jsonl", [{"id": "big", "ids": [5, 400]}, {"id": "fine", "ids": [5, 6]}])
+    doc = base_job(model_dir, ["ids.jsonl"], input={"prompt_column": None, "input_ids_column": "ids"})
+
+    def engine_with_vocab(job, tok):
+        engine = fake_factory()(job, tok)
+        engine.vocab_size = 300
+        return engine
+
+    run_job(write_job(tmp_path, doc), engine_with_vocab, Shard(0, 1), progress=False)
+    out = {r["row_id"]: r for r in read_out(tmp_path / "out")}
+    assert out["fine"]["status"] == "ok"
+    assert (out["big"]["error_type"], out["big"]["error"]) == (
+        "token_out_of_range", "prompt token id 400 is outside the model's vocabulary of 300")
+
+    (tmp_path / "silent.jinja").write_text("{% for m in messages %}{% endfor %}")
+    write_jsonl(tmp_path / "chat.jsonl", [{"id": "c", "messages": [{"role": "user", "content": "hi"}]}])
+    doc = base_job(model_dir, ["chat.jsonl"], input={"prompt_column": None, "messages_column": "messages"},
+                   output={"dir": "out2"})
+    doc["model"]["chat_template"] = "silent.jinja"
+    run_job(write_job(tmp_path, doc, "chat.yaml"), fake_factory(), Shard(0, 1), progress=False)
+    [row] = read_out(tmp_path / "out2")
+    assert (row["error_type"], row["error"]) == ("empty_prompt", "the prompt has no tokens after templating "
+                                                                 "and tokenising")
+
+
 # -- inputs and checkpoints: the run stops before any work, saying what to fix -------------------
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
@@ -167,6 +194,17 @@ def test_a_bad_checkpoint_stops_before_any_work(tmp_path, pair, what, breaks, wo
         run_job(job, lambda j, tok: build_engine(j, tok), Shard(0, 1), progress=False)
     assert words in str(e.value), str(e.value)
     assert not read_out(tmp_path / "out"), "rows were written"
+    assert not (tmp_path / "out" / "run.json").exists(), "the bad checkpoint tied the directory to it"
+
+
+def test_after_a_mistyped_checkpoint_the_corrected_job_runs_in_the_same_directory(tmp_path, pair):
+    write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "hello"}])
+    doc = base_job(pair[0], ["p.jsonl"], model={"drafter": str(tmp_path / "typo")}, engine={"compile": False})
+    with pytest.raises(JobError):
+        run_job(write_job(tmp_path, doc), lambda j, tok: build_engine(j, tok), Shard(0, 1), progress=False)
+    doc["model"]["drafter"] = str(pair[1])
+    run_job(write_job(tmp_path, doc), lambda j, tok: build_engine(j, tok), Shard(0, 1), progress=False)
+    assert [r["status"] for r in read_out(tmp_path / "out")] == ["ok"]
 
 
 INPUTS = [

@@ -11,6 +11,7 @@ import yaml
 
 from dflash_batch.cli import SCHEMA_DIR
 from dflash_batch.job import JobError, job_json_schema, load_job, parse_job
+from dflash_batch.testing.tokenizer import make_tokenizer_dir
 
 GOOD = {
     "input": {"paths": ["prompts.jsonl"], "prompt_column": "prompt"},
@@ -119,9 +120,13 @@ def test_validate_command(tmp_path):
     (tmp_path / "models" / "target" / "config.json").write_text('{"architectures": ["Qwen3ForCausalLM"]}')
     good = with_("input.paths", ["p.jsonl"])
     (tmp_path / "good.yaml").write_text(yaml.safe_dump(good))
+    cli = [sys.executable, "-m", "dflash_batch.cli", "validate"]
+    no_tokenizer = subprocess.run([*cli, str(tmp_path / "good.yaml")], capture_output=True, text=True)
+    assert no_tokenizer.returncode == 2 and "no tokenizer.json or tiktoken.model" in no_tokenizer.stderr
+    make_tokenizer_dir(tmp_path / "models" / "target")
+    (tmp_path / "good.yaml").write_text(yaml.safe_dump(good))
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(with_("sampling.top_k", -5, good)))
     (tmp_path / "nofile.yaml").write_text(yaml.safe_dump(GOOD))
-    cli = [sys.executable, "-m", "dflash_batch.cli", "validate"]
     ok = subprocess.run([*cli, str(tmp_path / "good.yaml")], capture_output=True, text=True)
     assert ok.returncode == 0 and "ok" in ok.stdout
     assert "engine: device=" in ok.stdout  # what this host would run, without running it

@@ -47,28 +47,20 @@ def _changed_fields(old: dict, new: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def lock_run(out_dir: Path, job: Job, shard: Shard, job_file: str | None = None) -> str:
-    """Write run.json if absent (atomically, race-free across array tasks), else check that it
-    describes the same logical run. Returns the config hash. `job_file` (the path it was run
-    from) is recorded for `status` to print the command that finishes the run."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    record = {"config_hash": job.output_hash(), "num_shards": shard.count,
-              "schema_version": SCHEMA_VERSION, "dflash_batch": __version__,
-              "job_file": str(Path(job_file).resolve()) if job_file else None,
-              "job": job.model_dump(mode="json", exclude={"sharding"})}
+def _run_record(job: Job, shard: Shard, job_file: str | None) -> dict:
+    return {"config_hash": job.output_hash(), "num_shards": shard.count,
+            "schema_version": SCHEMA_VERSION, "dflash_batch": __version__,
+            "job_file": str(Path(job_file).resolve()) if job_file else None,
+            "job": job.model_dump(mode="json", exclude={"sharding"})}
+
+
+def check_run(out_dir: Path, job: Job, shard: Shard) -> str:
+    """If run.json exists, check that it describes the same logical run as `job` (read only:
+    a job is refused before anything is loaded). Returns the config hash."""
+    record = _run_record(job, shard, None)
     path = out_dir / "run.json"
     if not path.exists():
-        tmp = out_dir / f".run.json.{os.getpid()}.tmp"
-        try:
-            tmp.write_bytes(orjson.dumps(record, option=orjson.OPT_INDENT_2))
-            os.link(tmp, path)  # fails if another task created it first: then check theirs
-        except FileExistsError:
-            pass
-        except OSError as e:
-            raise CommitError(f"{path}: cannot create it: {e.strerror or e}; nothing was generated. Fix the "
-                              "disk (free space, permissions) and rerun the same command") from e
-        finally:
-            tmp.unlink(missing_ok=True)
+        return record["config_hash"]
     try:
         old = orjson.loads(path.read_bytes())
     except orjson.JSONDecodeError:
@@ -86,6 +78,27 @@ def lock_run(out_dir: Path, job: Job, shard: Shard, job_file: str | None = None)
         raise JobError(f"{out_dir}: the job changed since this run started (changed: "
                        f"{', '.join(changed) or 'unknown'}). {fix}")
     return record["config_hash"]
+
+
+def lock_run(out_dir: Path, job: Job, shard: Shard, job_file: str | None = None) -> str:
+    """Write run.json if absent (atomically, race-free across array tasks), else check that it
+    describes the same logical run. Returns the config hash. `job_file` (the path it was run
+    from) is recorded for `status` to print the command that finishes the run."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "run.json"
+    if not path.exists():
+        tmp = out_dir / f".run.json.{os.getpid()}.tmp"
+        try:
+            tmp.write_bytes(orjson.dumps(_run_record(job, shard, job_file), option=orjson.OPT_INDENT_2))
+            os.link(tmp, path)  # fails if another task created it first: then check theirs
+        except FileExistsError:
+            pass
+        except OSError as e:
+            raise CommitError(f"{path}: cannot create it: {e.strerror or e}; nothing was generated. Fix the "
+                              "disk (free space, permissions) and rerun the same command") from e
+        finally:
+            tmp.unlink(missing_ok=True)
+    return check_run(out_dir, job, shard)
 
 
 @contextmanager

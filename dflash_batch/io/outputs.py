@@ -23,7 +23,8 @@ SCHEMA_VERSION = 1
 COLUMNS: list[tuple[str, pa.DataType, bool, str]] = [
     ("row_id", pa.string(), False, "input.id_column, else a hash of (file, row index)"),
     ("sample_index", pa.int32(), False, "0..n-1"),
-    ("response", pa.string(), True, "generated text (special tokens skipped; cut before a stop string)"),
+    ("response", pa.string(), True, "generated text (special tokens skipped; cut before a stop string); "
+     "with output.split_reasoning the answer after the reasoning, null if the reasoning never closed"),
     ("finish_reason", pa.string(), False, "stop | length | error"),
     ("stop_reason", pa.string(), True, "the stop string, or the stop token id, that ended the sample"),
     ("prompt_tokens", pa.int32(), True, "prompt length in tokens (after truncation)"),
@@ -48,6 +49,8 @@ COLUMNS: list[tuple[str, pa.DataType, bool, str]] = [
 OPTIONAL_COLUMNS: dict[str, tuple[pa.DataType, str]] = {
     "response_token_ids": (pa.list_(pa.int32()), "generated token ids (output.include_token_ids)"),
     "rendered_prompt": (pa.string(), "the prompt text after the chat template (output.include_prompt)"),
+    "reasoning": (pa.string(), "the thinking before the answer, null if the model did not think "
+                  "(output.split_reasoning)"),
 }
 RESERVED = {c[0] for c in COLUMNS} | set(OPTIONAL_COLUMNS)
 OUTPUT_TYPES = {name: typ for name, typ, _, _ in COLUMNS}

@@ -134,6 +134,9 @@ class RowPreparer:
         limit, max_new = self.edges[-1], row.sampling.max_new_tokens
         budget = limit - max_new
         n = len(row.prompt_ids)
+        if n == 0:  # a chat template can render to nothing
+            row.fail("empty_prompt", "the prompt has no tokens after templating and tokenising")
+            return
         if self.vocab_size is not None and max(row.prompt_ids) >= self.vocab_size:
             row.fail("token_out_of_range", f"prompt token id {max(row.prompt_ids)} is outside the "
                      f"model's vocabulary of {self.vocab_size}")

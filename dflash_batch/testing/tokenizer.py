@@ -43,11 +43,13 @@ def stdlib_corpus(max_chars: int = 5_000_000) -> list[str]:
     return texts
 
 
-def make_tokenizer_dir(d: Path, vocab_size: int = 400, corpus: list[str] | None = None) -> Path:
+def make_tokenizer_dir(d: Path, vocab_size: int = 400, corpus: list[str] | None = None,
+                       extra_special: tuple[str, ...] = ()) -> Path:
+    """`extra_special`: more special tokens (say a thinking model's <think> and </think>)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL + list(extra_special),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS if corpus is None else corpus, trainer)
     bos = tok.token_to_id("<|bos|>")
