@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 MAX_CONTEXT = 131072
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_new_tokens", "stop", "stop_token_ids",
-                   "ignore_eos", "seed")
+                   "ignore_eos", "seed", "n", "chat_template_kwargs")
 
 
 class _Strict(BaseModel):
@@ -40,7 +40,8 @@ class InputSpec(_Strict):
     passthrough_columns: list[str] = Field(default_factory=list, description="Input columns copied to "
                                            "the output rows unchanged.")
     sampling_columns: dict[str, str] = Field(default_factory=dict, description="Per-row sampling "
-                                             "overrides: sampling field -> input column.")
+                                             "overrides: sampling field -> input column (a row's "
+                                             "chat_template_kwargs are merged over the job's).")
     batch_rows: int = Field(4096, ge=1, description="Rows read and tokenised per batch.")
     window_rows: int = Field(16384, ge=1, description="Rows grouped into length buckets at a time "
                              "(bounds memory on huge inputs).")

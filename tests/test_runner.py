@@ -8,6 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from dflash_batch.io.ledger import part_files
 from dflash_batch.job import JobError
 from dflash_batch.plan.shards import Shard
 from dflash_batch.runner import run_job
@@ -193,3 +194,35 @@ def test_shard_stats_pool_counters_as_ratios_of_sums(tmp_path, model_dir):
         assert s["proposal_acceptance"] == pytest.approx(accepted / (7 * rounds))
         assert s["completion_tokens"] == sum(r["completion_tokens"] for r in mine)
     assert stats["-"]["error"] == 1 and stats["-"]["acc_len"] is None
+
+
+def test_per_row_n_and_chat_template_kwargs(tmp_path, model_dir):
+    """n and chat_template_kwargs from input columns: each row gets its own number of samples and
+    its own template switches (merged over the job's); a resume finds a row's missing samples
+    by the row's own n."""
+    write_jsonl(tmp_path / "p.jsonl", [
+        {"id": "a", "messages": [{"role": "user", "content": "hi"}], "k": 3, "kw": {"enable_thinking": False}},
+        {"id": "b", "messages": [{"role": "user", "content": "hi"}], "k": 1},
+        {"id": "c", "messages": [{"role": "user", "content": "hi"}]},
+        {"id": "d", "messages": [{"role": "user", "content": "hi"}], "k": 0}])
+    doc = base_job(model_dir, ["p.jsonl"], sampling={"n": 2}, output={"include_prompt": True, "rows_per_part": 1})
+    doc["input"] = {"paths": ["p.jsonl"], "messages_column": "messages", "id_column": "id",
+                    "sampling_columns": {"n": "k", "chat_template_kwargs": "kw"}}
+    job = write_job(tmp_path, doc)
+    run_job(job, fake_factory(), ONE, progress=False)
+    rows = read_out(tmp_path / "out")
+    ok = sorted((r["row_id"], r["sample_index"]) for r in rows if r["status"] == "ok")
+    assert ok == [("a", 0), ("a", 1), ("a", 2), ("b", 0), ("c", 0), ("c", 1)]
+    errors = {(r["row_id"], r["sample_index"], r["error_type"]) for r in rows if r["status"] == "error"}
+    assert errors == {("d", 0, "bad_sampling_override"), ("d", 1, "bad_sampling_override")}  # n: 0, job's n
+    prompts = {r["row_id"]: r["rendered_prompt"] for r in rows}
+    assert prompts["a"].endswith("<|im_start|>assistant\n<think></think>")
+    assert prompts["c"].endswith("<|im_start|>assistant\n")
+
+    # Lose the part that holds a's third sample: the resume makes exactly that sample again.
+    [lost] = [f for f in part_files(tmp_path / "out")
+              if [(r["row_id"], r["sample_index"]) for r in pq.read_table(f).to_pylist()] == [("a", 2)]]
+    lost.unlink()
+    run_job(job, fake_factory(), ONE, progress=False)
+    again = sorted((r["row_id"], r["sample_index"]) for r in read_out(tmp_path / "out") if r["status"] == "ok")
+    assert again == ok

@@ -62,10 +62,11 @@ class RowPreparer:
         self.base_sampling = job.sampling.model_dump()
         self.keep_text = job.output.include_prompt
 
-    def _wanted(self, row_id: str) -> bool:
-        """This shard's row, with at least one sample not yet committed."""
-        return ((self.shard.count == 1 or shard_of(row_id, self.shard.count) == self.shard.index)
-                and not all((row_id, i) in self.done for i in range(self.job.sampling.n)))
+    def _mine(self, row_id: str) -> bool:
+        return self.shard.count == 1 or shard_of(row_id, self.shard.count) == self.shard.index
+
+    def _all_done(self, row_id: str, n: int) -> bool:
+        return all((row_id, i) in self.done for i in range(n))
 
     def row_id(self, rec: Record) -> tuple[str, str | None]:
         col = self.spec.id_column
@@ -83,6 +84,9 @@ class RowPreparer:
                      if data.get(c) is not None}
         if not overrides:
             return
+        kwargs = overrides.get("chat_template_kwargs")
+        if isinstance(kwargs, dict):  # the row's keys over the job's
+            overrides["chat_template_kwargs"] = {**self.base_sampling["chat_template_kwargs"], **kwargs}
         try:
             row.sampling = SamplingSpec.model_validate({**self.base_sampling, **overrides})
             row.overrides = overrides
@@ -115,7 +119,7 @@ class RowPreparer:
                 if spec.system_prompt and value[0].get("role") != "system":
                     value = [{"role": "system", "content": spec.system_prompt}, *value]
                 try:
-                    kwargs = self.job.sampling.chat_template_kwargs
+                    kwargs = row.sampling.chat_template_kwargs
                     return "chat", self.tok.render_chat(value, kwargs)
                 except Exception as e:  # a template error concerns this row only
                     row.fail("chat_template_error", f"{type(e).__name__}: {e}")
@@ -158,20 +162,23 @@ class RowPreparer:
     def prepare(self, records: list[Record]) -> list[PreparedRow]:
         rows, texts, chats = [], [], []
         passthrough = self.spec.passthrough_columns
+        per_row_n = "n" in self.spec.sampling_columns
         for rec in records:
             row_id, id_problem = self.row_id(rec)
-            if not self._wanted(row_id):
+            # Skip a row whose samples are all committed; with a per-row n, once its n is known.
+            if not self._mine(row_id) or (not per_row_n and self._all_done(row_id, self.job.sampling.n)):
                 continue
             data = rec.data or {}
             row = PreparedRow(row_id, tuple(map(data.get, passthrough)), self.job.sampling)
-            rows.append(row)
             if rec.error:
                 row.fail("bad_input_line", f"{rec.source}: {rec.error}")
-                continue
-            if id_problem:
+            elif id_problem:
                 row.fail("bad_row_id", f"{rec.source} row {rec.index}: {id_problem}")
+            else:
+                self._sampling(data, row)
+            if per_row_n and self._all_done(row_id, row.sampling.n):
                 continue
-            self._sampling(data, row)
+            rows.append(row)
             if row.error_type:
                 continue
             prompt = self._prompt(data, row)
