@@ -16,7 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 MAX_CONTEXT = 131072
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_new_tokens", "stop", "stop_token_ids",
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "max_new_tokens", "stop", "stop_token_ids",
                    "ignore_eos", "seed", "n", "chat_template_kwargs")
 
 
@@ -110,6 +110,8 @@ class SamplingSpec(_Strict):
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1, description="-1 or 0 = off.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="Keep tokens at least min_p times as likely "
+                         "as the most likely one (after top-k and top-p); 0 = off.")
     max_new_tokens: int = Field(256, ge=1)
     stop: list[str] = Field(default_factory=list, description="Stop strings (matched on decoded text; "
                             "the output is cut before the match).")

@@ -12,6 +12,7 @@ inside a window every bucket is drained in turn so each batch holds similar leng
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import signal
 import threading
 import time
@@ -116,7 +117,8 @@ class _Run:
     def _params(self, s: SamplingSpec) -> SamplingParams:
         """Engine sampling parameters of a row (seed still 0): EOS joins the stop ids."""
         stops = tuple(dict.fromkeys(s.stop_token_ids if s.ignore_eos else (*self.eos, *s.stop_token_ids)))
-        return SamplingParams(s.temperature, s.top_p, s.top_k, s.max_new_tokens, tuple(s.stop), stops)
+        return SamplingParams(s.temperature, s.top_p, s.top_k, s.max_new_tokens, tuple(s.stop), stops,
+                              min_p=s.min_p)
 
     def _requests(self, row: PreparedRow) -> list[Request]:
         s = row.sampling
@@ -125,8 +127,7 @@ class _Run:
         for i in range(s.n):
             if (row.row_id, i) in self.done:
                 continue
-            params = SamplingParams(base.temperature, base.top_p, base.top_k, base.max_new_tokens,
-                                    base.stop, base.stop_token_ids, sample_seed(s.seed, row.row_id, i))
+            params = dataclasses.replace(base, seed=sample_seed(s.seed, row.row_id, i))
             reqs.append(Request((row.row_id, i), row.prompt_ids, params))
         return reqs
 

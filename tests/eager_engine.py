@@ -119,4 +119,5 @@ class EagerEngine(Engine):
         p = [s.params for s in seqs]
         where = torch.tensor([x for pos in positions for x in pos])
         return choose_tokens(logits, col([x.temperature for x in p]).float(), col([x.top_k for x in p]),
-                             col([x.top_p for x in p]).float(), col([x.seed for x in p]), where)
+                             col([x.top_p for x in p]).float(), col([x.seed for x in p]), where,
+                             min_p=col([x.min_p for x in p]).float())

@@ -22,7 +22,7 @@ from dflash_batch.engine.sampling import filtered_probs
 from tests.engine_util import F64, VOCAB, bucket, load_pair, make_drafter, make_target, random_prompts, run
 from tests.tiny_models import load_hf_model
 
-TOP_K, TOP_P = 5, 0.9
+TOP_K, TOP_P, MIN_P = 5, 0.9, 0.3  # min-p removes 30% of the mass the others leave
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +40,11 @@ def models(tmp_path_factory):
 
 
 # -- filtering -------------------------------------------------------------------------------------
-def filtered_by_definition(logits: list[float], temperature: float, top_k: int, top_p: float) -> list[float]:
+def filtered_by_definition(logits: list[float], temperature: float, top_k: int, top_p: float,
+                           min_p: float = 0.0) -> list[float]:
     """Softmax at temperature; keep the top_k most likely; of those, keep the shortest prefix in
-    descending order whose mass before each kept token is < top_p; renormalise."""
+    descending order whose mass before each kept token is < top_p; of those, the tokens at least
+    min_p times as likely as the most likely; renormalise."""
     m = max(logits)
     p = [math.exp((x - m) / temperature) for x in logits]
     order = sorted(range(len(p)), key=lambda i: -p[i])
@@ -54,6 +56,7 @@ def filtered_by_definition(logits: list[float], temperature: float, top_k: int, 
             break
         out[i] = p[i] / total
         before += out[i]
+    out = [x if x >= min_p * max(out) else 0.0 for x in out]
     s = sum(out)
     return [x / s for x in out]
 
@@ -61,13 +64,15 @@ def filtered_by_definition(logits: list[float], temperature: float, top_k: int, 
 @pytest.mark.numerics
 def test_filtered_probs_matches_definition():
     gen = torch.Generator().manual_seed(0)
-    cases = [(t, k, p) for t in (0.5, 1.0, 2.0) for k in (-1, 1, 3, 8, 20) for p in (1.0, 0.9, 0.5, 0.05)]
-    logits = 2 * torch.randn(len(cases), 12, generator=gen)
-    temperature, top_k, top_p = (torch.tensor(c) for c in zip(*cases))
-    got = filtered_probs(logits, temperature.float(), top_k, top_p.float())
-    for row, (t, k, p) in enumerate(cases):
-        want = filtered_by_definition(logits[row].tolist(), t, k, p)
-        torch.testing.assert_close(got[row], torch.tensor(want), msg=f"temperature {t} top_k {k} top_p {p}")
+    cases = [(t, k, p, m) for t in (0.5, 1.0, 2.0) for k in (-1, 1, 3, 8, 20) for p in (1.0, 0.9, 0.5, 0.05)
+             for m in (0.0, 0.05, 0.3, 1.0)]
+    logits = 2 * torch.randn(len(cases), 12, generator=gen, dtype=torch.float64)
+    temperature, top_k, top_p, min_p = (torch.tensor(c) for c in zip(*cases))
+    got = filtered_probs(logits, temperature, top_k, top_p, min_p)
+    for row, (t, k, p, m) in enumerate(cases):
+        want = filtered_by_definition(logits[row].tolist(), t, k, p, m)
+        torch.testing.assert_close(got[row], torch.tensor(want, dtype=torch.float64),
+                                   msg=f"temperature {t} top_k {k} top_p {p} min_p {m}")
 
 
 # -- the output law --------------------------------------------------------------------------------
@@ -86,7 +91,7 @@ def exact_joint(target_dir) -> torch.Tensor:
         logits = model(ids).logits[:, len(PROMPT) - 1:].double()                   # [V*V, 3, V]
 
     def f(rows: torch.Tensor) -> torch.Tensor:
-        return torch.tensor([filtered_by_definition(r.tolist(), 1.0, TOP_K, TOP_P) for r in rows],
+        return torch.tensor([filtered_by_definition(r.tolist(), 1.0, TOP_K, TOP_P, MIN_P) for r in rows],
                             dtype=torch.float64)
 
     p1 = f(logits[:1, 0])[0]                                  # [V]
@@ -96,7 +101,7 @@ def exact_joint(target_dir) -> torch.Tensor:
 
 
 def sample_tuples(engine: Engine, speculation: bool) -> tuple[Counter, list[int]]:
-    params = [SamplingParams(temperature=1.0, top_k=TOP_K, top_p=TOP_P, max_new_tokens=NEW, seed=s)
+    params = [SamplingParams(temperature=1.0, top_k=TOP_K, top_p=TOP_P, min_p=MIN_P, max_new_tokens=NEW, seed=s)
               for s in range(SAMPLES)]
     reqs = (Request((str(i), 0), PROMPT, p) for i, p in enumerate(params))
     counts, per_round = Counter(), []
@@ -123,7 +128,7 @@ def test_sampled_tokens_follow_target_distribution(models, speculation):
     for (a, b, c), n in counts.items():
         observed[(a * VOCAB + b) * VOCAB + c] = n
     impossible = observed[joint == 0].sum()
-    assert impossible == 0, f"{int(impossible)} samples that top-k/top-p exclude"
+    assert impossible == 0, f"{int(impossible)} samples that top-k/top-p/min-p exclude"
     expected = joint * SAMPLES
     big, rare = expected >= 5, (expected > 0) & (expected < 5)
     obs, exp = observed[big], expected[big]

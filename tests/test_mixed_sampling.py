@@ -18,11 +18,11 @@ from tests.jobs_util import base_job, read_out, write_job, write_jsonl
 
 SETTINGS = [dict(), dict(temperature=0.7, top_k=3), dict(temperature=1.3, top_p=0.8),
             dict(temperature=1.0), dict(temperature=0.5, top_k=2, top_p=0.9), dict(),
-            dict(temperature=2.0, top_k=5)]
+            dict(temperature=2.0, top_k=5, min_p=0.2), dict(temperature=1.5, min_p=0.5)]
 
 
 def requests(vocab: int) -> list[Request]:
-    prompts = random_prompts([5, 31, 12, 2, 47, 9, 20], vocab=vocab, seed=8)
+    prompts = random_prompts([5, 31, 12, 2, 47, 9, 20, 14], vocab=vocab, seed=8)
     return [Request((str(i), 0), p, SamplingParams(max_new_tokens=8 + 5 * (i % 3), seed=900 + i,
                                                    stop_token_ids=(3,) if i % 2 else (), **s))
             for i, (p, s) in enumerate(zip(prompts, SETTINGS))]
@@ -69,13 +69,14 @@ def test_per_row_overrides_through_run(tmp_path, qwen3):
     for f in target.iterdir():
         if f.name.endswith(".safetensors"):
             (tokdir / f.name).symlink_to(f)
-    prompts = random_prompts([5, 31, 12, 2, 47, 9, 20], seed=8)
+    prompts = random_prompts([5, 31, 12, 2, 47, 9, 20, 14], seed=8)
     rows = [{"id": f"r{i}", "ids": p, "t": s.get("temperature"), "k": s.get("top_k"), "p": s.get("top_p"),
-             "m": 8 + 5 * (i % 3)} for i, (p, s) in enumerate(zip(prompts, SETTINGS))]
+             "mp": s.get("min_p"), "m": 8 + 5 * (i % 3)} for i, (p, s) in enumerate(zip(prompts, SETTINGS))]
     write_jsonl(tmp_path / "p.jsonl", rows)
     doc = base_job(tokdir, ["p.jsonl"], sampling={"ignore_eos": True},
                    input={"prompt_column": None, "input_ids_column": "ids", "workers": 0,
-                          "sampling_columns": {"temperature": "t", "top_k": "k", "top_p": "p", "max_new_tokens": "m"}},
+                          "sampling_columns": {"temperature": "t", "top_k": "k", "top_p": "p", "min_p": "mp",
+                                               "max_new_tokens": "m"}},
                    engine={"max_num_seqs": 8, "compile": False}, output={"include_token_ids": True})
     doc["model"].update(drafter=str(drafter), dtype="float64")
     job = write_job(tmp_path, doc)

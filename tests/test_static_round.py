@@ -46,7 +46,7 @@ def outcomes(engine, reqs: list[Request], b) -> dict:
             for c in engine.generate(iter(reqs), b)}
 
 
-SAMPLING = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=1.0, top_p=0.9, top_k=5)}
+SAMPLING = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=1.0, top_p=0.9, top_k=5, min_p=0.05)}
 
 
 @pytest.mark.parametrize("sampling", SAMPLING)

@@ -296,7 +296,8 @@ class Engine:
 
         return choose_tokens(logits, col([p.temperature for p in params], torch.float32),
                              col([p.top_k for p in params]), col([p.top_p for p in params], torch.float32),
-                             col([p.seed for p in params]), col([len(s.prompt) for s in seqs]), self.ops.sample)
+                             col([p.seed for p in params]), col([len(s.prompt) for s in seqs]), self.ops.sample,
+                             col([p.min_p for p in params], torch.float32))
 
     def _round(self, batch: DecodeBatch, running: list[Sequence | None], step: Round,
                graphs: RoundGraphs | None, block: int) -> None:

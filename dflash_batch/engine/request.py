@@ -24,6 +24,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()   # already includes EOS unless ignore_eos
     seed: int = 0                          # this sample's own seed
+    min_p: float = 0.0
 
 
 @dataclass(slots=True)

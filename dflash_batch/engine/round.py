@@ -77,7 +77,7 @@ class Round:
         else:
             chosen = choose_tokens(logits, b.temperature[:n].reshape(-1), b.top_k[:n].reshape(-1),
                                    b.top_p[:n].reshape(-1), b.seed[:n].reshape(-1), positions + 1,
-                                   self.ops.sample)
+                                   self.ops.sample, b.min_p[:n].reshape(-1))
         accepted = self.ops.accept(ids, chosen.view(n, B), b.pos[:n], b.budget[:n], b.stop_ids[:n], b.out[:n])
         # A row whose logits are not finite fails alone (its sequence becomes an error row).
         finite = torch.isfinite(logits).all(-1).view(n, B).all(-1)

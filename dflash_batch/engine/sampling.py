@@ -1,4 +1,4 @@
-"""Token choice for every row of a forward: greedy, or temperature + top-k + top-p.
+"""Token choice for every row of a forward: greedy, or temperature + top-k + top-p + min-p.
 
 Sampling is by inverse CDF at the row's coin, hashed from (the sample's seed, the position of
 the token being chosen) (kernels/coins.py): a sequence's tokens never depend on what else is in
@@ -16,13 +16,15 @@ from kernels.sample import sample_torch
 
 
 def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                  top_p: torch.Tensor) -> torch.Tensor:
-    """Per-row logits / temperature, with every token outside top-k (<= 0: off) and top-p (1: off)
-    at -inf.
+                  top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-row logits / temperature, with every token outside top-k (<= 0: off), top-p (1: off)
+    and min-p (0: off) at -inf.
 
-    logits [N, V]; temperature, top_p [N] float; top_k [N] int64. Top-p keeps the smallest prefix
-    of the sorted distribution whose mass before the token is < top_p (the token that crosses top_p
-    is kept), applied after top-k, as transformers and the DFlash reference do.
+    logits [N, V]; temperature, top_p, min_p [N] float; top_k [N] int64. Top-p keeps the smallest
+    prefix of the sorted distribution whose mass before the token is < top_p (the token that
+    crosses top_p is kept), applied after top-k, as transformers and the DFlash reference do;
+    min-p then keeps the tokens at least min_p times as likely as the most likely one (last in
+    transformers' order; the ratio does not depend on the renormalisations before it).
     """
     scaled = wide(logits) / temperature.clamp_min(1e-5)[:, None]
     sorted_p, order = torch.softmax(scaled, dim=-1).sort(dim=-1, descending=True)
@@ -31,20 +33,23 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     sorted_p = sorted_p * keep
     sorted_p = sorted_p / sorted_p.sum(-1, keepdim=True)
     keep &= ((sorted_p.cumsum(-1) - sorted_p) < top_p[:, None]) | (top_p[:, None] >= 1)
+    if min_p is not None:
+        keep &= sorted_p >= min_p[:, None] * sorted_p[:, :1]
     return scaled.masked_fill(~torch.zeros_like(keep).scatter_(-1, order, keep), float("-inf"))
 
 
 def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                   top_p: torch.Tensor) -> torch.Tensor:
+                   top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
     """The distribution rows are sampled from (see filter_logits)."""
-    return torch.softmax(filter_logits(logits, temperature, top_k, top_p), dim=-1)
+    return torch.softmax(filter_logits(logits, temperature, top_k, top_p, min_p), dim=-1)
 
 
 def choose_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                   seed: torch.Tensor, position: torch.Tensor,
-                  sample: Callable[..., torch.Tensor] = sample_torch) -> torch.Tensor:
+                  sample: Callable[..., torch.Tensor] = sample_torch, min_p: torch.Tensor | None = None
+                  ) -> torch.Tensor:
     """One token per row: argmax where temperature == 0, else the row's seeded sample from the
     filtered distribution (seed and position per row: the coin of the token being chosen)."""
     greedy = logits.argmax(-1)
-    drawn = sample(filter_logits(logits, temperature, top_k, top_p), seed, position)
+    drawn = sample(filter_logits(logits, temperature, top_k, top_p, min_p), seed, position)
     return torch.where(temperature > 0, drawn, greedy)
