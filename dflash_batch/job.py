@@ -16,8 +16,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 MAX_CONTEXT = 131072
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "max_new_tokens", "stop", "stop_token_ids",
-                   "ignore_eos", "seed", "n", "chat_template_kwargs")
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "max_new_tokens", "min_tokens", "stop",
+                   "stop_token_ids", "ignore_eos", "seed", "n", "chat_template_kwargs")
 
 
 class _Strict(BaseModel):
@@ -113,6 +113,8 @@ class SamplingSpec(_Strict):
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="Keep tokens at least min_p times as likely "
                          "as the most likely one (after top-k and top-p); 0 = off.")
     max_new_tokens: int = Field(256, ge=1)
+    min_tokens: int = Field(0, ge=0, description="Stop token ids (EOS included) are held back until this "
+                            "many tokens are generated (stop strings are not).")
     stop: list[str] = Field(default_factory=list, description="Stop strings (matched on decoded text; "
                             "the output is cut before the match).")
     stop_token_ids: list[int] = Field(default_factory=list)

@@ -206,6 +206,40 @@ def test_prefill_chunks_of_a_sequence_do_not_depend_on_its_neighbours(models, mo
     assert splits[0][tuple(prompts[0])] == [(0, 16), (16, 16), (32, 8)]
 
 
+@pytest.mark.numerics
+@pytest.mark.parametrize("speculation", [True, False], ids=["spec", "target_only"])
+def test_min_tokens_holds_stop_ids_back_as_a_direct_loop_does(models, speculation):
+    """float64 on both sides. The oracle: transformers' Qwen3 decoding greedily token by token,
+    the stop ids' logits at -inf while fewer than min_tokens tokens are out."""
+    hf = load_hf_model(models["target"]).double()
+    stops, least, new = (0, 3), 6, 16  # unheld, these stop ids end every prompt here within 9 tokens
+    prompts = random_prompts([5, 40, 13, 70], seed=6)
+    engine = Engine(*load_pair(models["target"], models["v2"], F64), dtype=F64)
+    got = run(engine, prompts, bucket(speculation=speculation), max_new_tokens=new, stop_token_ids=stops,
+              min_tokens=least)
+    free = run(engine, prompts, bucket(speculation=speculation), max_new_tokens=new, stop_token_ids=stops)
+    assert all(len(c.token_ids) < least for c in free[1:]), [c.token_ids for c in free]
+    for prompt, c in zip(prompts, got):
+        ids, want = list(prompt), []
+        with torch.no_grad():
+            while len(want) < new:
+                logits = hf(torch.tensor([ids])).logits[0, -1]
+                if len(want) < least:
+                    logits[list(stops)] = float("-inf")
+                want.append(int(logits.argmax()))
+                ids.append(want[-1])
+                if want[-1] in stops:
+                    break
+        assert c.token_ids == want
+    if speculation:
+        assert any(n for c in got for n in c.spec.per_round), "no draft accepted"
+    # Sampled: spec == target-only at the same coins, and no stop id among the first min_tokens.
+    sampled = [run(engine, prompts, bucket(speculation=s), max_new_tokens=new, stop_token_ids=stops,
+                   min_tokens=least, temperature=1.0) for s in (True, False)]
+    assert [c.token_ids for c in sampled[0]] == [c.token_ids for c in sampled[1]]
+    assert not any(t in stops for c in sampled[0] for t in c.token_ids[:least])
+
+
 # -- stop strings ----------------------------------------------------------------------------------
 def decode(ids: list[int]) -> str:
     return "".join("abcdefgh"[i] for i in ids)

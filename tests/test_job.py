@@ -146,3 +146,10 @@ def test_production_job_files_validate():
         assert out.returncode == 0, out.stderr
     job = load_job(SCHEMA_DIR.parent / "jobs" / "kimi-k3-dflash2-128k.yaml")
     assert job.model.tensor_parallel_size == 8 and job.resolved_buckets()[-1].max_tokens == 131072
+
+
+def test_the_readme_job_example_is_a_valid_job():
+    text = (SCHEMA_DIR.parent / "README.md").read_text()
+    example = text.split("```yaml")[1].split("```")[0]
+    job = parse_job(yaml.safe_load(example), "README.md", SCHEMA_DIR.parent)
+    assert job.output.split_reasoning and job.input.sampling_columns["n"] == "samples"

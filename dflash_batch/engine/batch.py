@@ -36,6 +36,7 @@ class DecodeBatch:
         self.top_k = full((rows, block), -1)
         self.top_p = full((rows, block), 1.0, torch.float32)
         self.min_p = full((rows, block), 0.0, torch.float32)
+        self.min_stop_pos = full((rows,), 0)           # first position where a stop id may come
         self.seed = full((rows, block), 0)
         self.stop_ids = full((rows, stop_width), -1)  # stop token ids (-1: none)
         self.state_slot = full((rows,), sequences)  # recurrent-state slot (hybrid targets)
@@ -54,7 +55,8 @@ class DecodeBatch:
             self._grow_stops(len(stops))
         host = {self.pos: seq.position, self.budget: p.max_new_tokens - len(seq.tokens),
                 self.temperature: p.temperature, self.top_k: p.top_k, self.top_p: p.top_p, self.min_p: p.min_p,
-                self.seed: p.seed, self.state_slot: seq.row}
+                self.seed: p.seed, self.state_slot: seq.row,
+                self.min_stop_pos: len(seq.prompt) + p.min_tokens}
         for tensor, value in host.items():
             tensor[row] = value
         self.ids[row, 0] = seq.tokens[-1]

@@ -25,6 +25,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()   # already includes EOS unless ignore_eos
     seed: int = 0                          # this sample's own seed
     min_p: float = 0.0
+    min_tokens: int = 0                    # stop ids are held back until this many tokens
 
 
 @dataclass(slots=True)

@@ -29,7 +29,7 @@ import torch
 
 from dflash_batch.backends.meta import AttentionBackend, AttnMeta
 from dflash_batch.engine.batch import DecodeBatch
-from dflash_batch.engine.sampling import choose_tokens
+from dflash_batch.engine.sampling import choose_tokens, hold_stops
 from kernels.sample import top1
 
 ERROR = 3  # a finished code beside kernels.accept's STOP and LENGTH: the logits were not finite
@@ -72,10 +72,13 @@ class Round:
         verify = meta("verify", verify_kv, logits_rows=b.q_index[:n].reshape(-1),
                       state_ids=b.state_slot[:n], stage=self.recurrent)
         logits, taps = self.target(ids.reshape(-1), verify)
-        if greedy:
+        if greedy:  # no row samples or holds its stop ids (engine.py decides)
             chosen = top1(logits)
         else:
-            chosen = choose_tokens(logits, b.temperature[:n].reshape(-1), b.top_k[:n].reshape(-1),
+            held = (positions + 1).view(n, B) < b.min_stop_pos[:n, None]
+            stops = b.stop_ids[:n, None, :].expand(n, B, -1).reshape(n * B, -1)
+            chosen = choose_tokens(hold_stops(logits, stops, held.reshape(-1)),
+                                   b.temperature[:n].reshape(-1), b.top_k[:n].reshape(-1),
                                    b.top_p[:n].reshape(-1), b.seed[:n].reshape(-1), positions + 1,
                                    self.ops.sample, b.min_p[:n].reshape(-1))
         accepted = self.ops.accept(ids, chosen.view(n, B), b.pos[:n], b.budget[:n], b.stop_ids[:n], b.out[:n])

@@ -44,6 +44,16 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     return torch.softmax(filter_logits(logits, temperature, top_k, top_p, min_p), dim=-1)
 
 
+def hold_stops(logits: torch.Tensor, stop_ids: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+    """Logits with each row's stop ids at -inf where `held` (min_tokens not reached yet).
+
+    logits [N, V]; stop_ids [N, S] (-1: none); held [N] bool. No host sync, no branch on values
+    (graph-safe); a stop id listed twice is held once."""
+    hits = torch.zeros_like(logits).scatter_add_(
+        -1, stop_ids.clamp_min(0), (held[:, None] & (stop_ids >= 0)).to(logits.dtype))
+    return logits.masked_fill(hits > 0, float("-inf"))
+
+
 def choose_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                   seed: torch.Tensor, position: torch.Tensor,
                   sample: Callable[..., torch.Tensor] = sample_torch, min_p: torch.Tensor | None = None
