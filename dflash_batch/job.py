@@ -15,9 +15,11 @@ import orjson
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from dflash_batch.limits import MAX_LOGIT_BIAS
+
 MAX_CONTEXT = 131072
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "max_new_tokens", "min_tokens", "stop",
-                   "stop_token_ids", "ignore_eos", "seed", "n", "chat_template_kwargs")
+                   "stop_token_ids", "ignore_eos", "seed", "n", "chat_template_kwargs", "logit_bias")
 
 
 class _Strict(BaseModel):
@@ -115,6 +117,9 @@ class SamplingSpec(_Strict):
     max_new_tokens: int = Field(256, ge=1)
     min_tokens: int = Field(0, ge=0, description="Stop token ids (EOS included) are held back until this "
                             "many tokens are generated (stop strings are not).")
+    logit_bias: dict[int, float] = Field(default_factory=dict, description="Added to the target's logits "
+                                         f"of these token ids before any filtering (at most {MAX_LOGIT_BIAS} "
+                                         "ids, each bias in [-100, 100]).")
     stop: list[str] = Field(default_factory=list, description="Stop strings (matched on decoded text; "
                             "the output is cut before the match).")
     stop_token_ids: list[int] = Field(default_factory=list)
@@ -124,6 +129,16 @@ class SamplingSpec(_Strict):
                       "sample_index).")
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict, description="Passed to the chat "
                                                  "template, e.g. {thinking: false}.")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bounded_bias(cls, v: dict[int, float]) -> dict[int, float]:
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} token ids, got {len(v)}")
+        bad = [t for t, b in v.items() if t < 0 or not -100 <= b <= 100]
+        if bad:
+            raise ValueError(f"token ids must be >= 0 and biases in [-100, 100]: {bad[:5]}")
+        return v
 
     @field_validator("stop")
     @classmethod

@@ -73,8 +73,11 @@ def test_bad_rows_become_error_rows_and_the_good_ones_run(tmp_path, model_dir):
 
 def test_rows_the_model_cannot_take_become_error_rows(tmp_path, model_dir):
     """Token ids outside the target's vocabulary, and a chat that the template renders to nothing."""
-    write_jsonl(tmp_path / "ids.jsonl", [{"id": "big", "ids": [5, 400]}, {"id": "fine", "ids": [5, 6]}])
-    doc = base_job(model_dir, ["ids.jsonl"], input={"prompt_column": None, "input_ids_column": "ids"})
+    write_jsonl(tmp_path / "ids.jsonl", [{"id": "big", "ids": [5, 400]}, {"id": "fine", "ids": [5, 6]},
+                                         {"id": "bias", "ids": [5], "lb": {"7": 1.0, "301": -2.0}},
+                                         {"id": "bad bias", "ids": [5], "lb": {"7": 500}}])
+    doc = base_job(model_dir, ["ids.jsonl"], input={"prompt_column": None, "input_ids_column": "ids",
+                                                    "sampling_columns": {"logit_bias": "lb"}})
 
     def engine_with_vocab(job, tok):
         engine = fake_factory()(job, tok)
@@ -86,6 +89,9 @@ def test_rows_the_model_cannot_take_become_error_rows(tmp_path, model_dir):
     assert out["fine"]["status"] == "ok"
     assert (out["big"]["error_type"], out["big"]["error"]) == (
         "token_out_of_range", "prompt token id 400 is outside the model's vocabulary of 300")
+    assert (out["bias"]["error_type"], out["bias"]["error"]) == (
+        "token_out_of_range", "logit_bias token id 301 is outside the model's vocabulary of 300")
+    assert out["bad bias"]["error_type"] == "bad_sampling_override" and "[-100, 100]" in out["bad bias"]["error"]
 
     (tmp_path / "silent.jinja").write_text("{% for m in messages %}{% endfor %}")
     write_jsonl(tmp_path / "chat.jsonl", [{"id": "c", "messages": [{"role": "user", "content": "hi"}]}])

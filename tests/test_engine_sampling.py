@@ -240,6 +240,35 @@ def test_min_tokens_holds_stop_ids_back_as_a_direct_loop_does(models, speculatio
     assert not any(t in stops for c in sampled[0] for t in c.token_ids[:least])
 
 
+@pytest.mark.numerics
+@pytest.mark.parametrize("speculation", [True, False], ids=["spec", "target_only"])
+def test_logit_bias_moves_tokens_as_a_direct_loop_does(models, speculation):
+    """float64 on both sides. The oracle: transformers' Qwen3 decoding greedily token by token
+    with the biases added to its logits; an id past the vocabulary is ignored by the round."""
+    hf = load_hf_model(models["target"]).double()
+    bias, new = {0: -100.0, 5: 2.5, 3: 1.0}, 16
+    prompts = random_prompts([5, 40, 13, 70], seed=6)
+    engine = Engine(*load_pair(models["target"], models["v2"], F64), dtype=F64)
+    got = run(engine, prompts, bucket(speculation=speculation), max_new_tokens=new,
+              logit_bias=(*bias.items(), (VOCAB + 3, 50.0)))
+    free = run(engine, prompts, bucket(speculation=speculation), max_new_tokens=new)
+    assert [c.token_ids for c in got] != [c.token_ids for c in free]
+    for prompt, c in zip(prompts, got):
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(new):
+                logits = hf(torch.tensor([ids])).logits[0, -1]
+                logits[list(bias)] += torch.tensor(list(bias.values()), dtype=torch.float64)
+                ids.append(int(logits.argmax()))
+        assert c.token_ids == ids[len(prompt):]
+        assert 0 not in c.token_ids
+    if speculation:
+        assert any(n for c in got for n in c.spec.per_round), "no draft accepted"
+    sampled = [run(engine, prompts, bucket(speculation=s), max_new_tokens=new, logit_bias=tuple(bias.items()),
+                   temperature=1.0) for s in (True, False)]
+    assert [c.token_ids for c in sampled[0]] == [c.token_ids for c in sampled[1]]
+
+
 # -- stop strings ----------------------------------------------------------------------------------
 def decode(ids: list[int]) -> str:
     return "".join("abcdefgh"[i] for i in ids)

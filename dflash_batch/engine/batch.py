@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from dflash_batch.engine.sequence import Sequence
+from dflash_batch.limits import MAX_LOGIT_BIAS
 
 
 class DecodeBatch:
@@ -37,6 +38,8 @@ class DecodeBatch:
         self.top_p = full((rows, block), 1.0, torch.float32)
         self.min_p = full((rows, block), 0.0, torch.float32)
         self.min_stop_pos = full((rows,), 0)           # first position where a stop id may come
+        self.bias_ids = full((rows, MAX_LOGIT_BIAS), -1)  # logit_bias: token ids (-1: none)
+        self.bias = full((rows, MAX_LOGIT_BIAS), 0.0, torch.float32)
         self.seed = full((rows, block), 0)
         self.stop_ids = full((rows, stop_width), -1)  # stop token ids (-1: none)
         self.state_slot = full((rows,), sequences)  # recurrent-state slot (hybrid targets)
@@ -64,6 +67,11 @@ class DecodeBatch:
         self.tables[row, :len(seq.pages)] = torch.tensor(seq.pages, device=self.device)
         self.host_tables[row] = list(seq.pages)
         self.stop_ids[row] = -1
+        self.bias_ids[row], self.bias[row] = -1, 0.0
+        if p.logit_bias:
+            ids, bias = zip(*p.logit_bias)
+            self.bias_ids[row, :len(ids)] = torch.tensor(ids, device=self.device)
+            self.bias[row, :len(ids)] = torch.tensor(bias, device=self.device)
         if stops:
             self.stop_ids[row, :len(stops)] = torch.tensor(stops, device=self.device)
 

@@ -27,7 +27,7 @@ from dflash_batch.engine.cache import SeqRows, build_meta, row_pages
 from dflash_batch.engine.graphs import RoundGraphs
 from dflash_batch.engine.request import Completion, Request
 from dflash_batch.engine.round import ERROR, Round
-from dflash_batch.engine.sampling import choose_tokens, hold_stops
+from dflash_batch.engine.sampling import add_bias, choose_tokens, hold_stops
 from dflash_batch.engine.sequence import Sequence
 from dflash_batch.plan.buckets import Bucket
 from kernels.accept import STOP
@@ -288,6 +288,12 @@ class Engine:
     def _first_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """The token after each prompt (its coin: the position it takes, the prompt's length)."""
         params = [s.params for s in seqs]
+        if any(p.logit_bias for p in params):
+            width = max(len(p.logit_bias) for p in params)
+            ids = [[t for t, _ in p.logit_bias] + [-1] * (width - len(p.logit_bias)) for p in params]
+            bias = [[b for _, b in p.logit_bias] + [0.0] * (width - len(p.logit_bias)) for p in params]
+            logits = add_bias(logits, torch.tensor(ids, dtype=torch.int64, device=self.device),
+                              torch.tensor(bias, dtype=torch.float32, device=self.device))
         if any(p.min_tokens for p in params):  # the first token is token 0: held where min_tokens > 0
             width = max(len(p.stop_token_ids) for p in params)
             stops = [list(p.stop_token_ids) + [-1] * (width - len(p.stop_token_ids)) for p in params]
@@ -311,7 +317,8 @@ class Engine:
         padding); extends each sequence with what it emitted."""
         n = max(i for i, s in enumerate(running) if s is not None) + 1
         size = self._padded(n)
-        greedy = all(s.params.temperature <= 0 and not s.params.min_tokens for s in running[:n] if s is not None)
+        greedy = all(s.params.temperature <= 0 and not (s.params.min_tokens or s.params.logit_bias)
+                     for s in running[:n] if s is not None)
         positions = [s.position if s is not None else 0 for s in running[:n]]
         # Key lengths for backends that plan on the host (round.py's prepare computes the same
         # on the device); a row without a sequence is padding.

@@ -26,6 +26,7 @@ class SamplingParams:
     seed: int = 0                          # this sample's own seed
     min_p: float = 0.0
     min_tokens: int = 0                    # stop ids are held back until this many tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
 
 
 @dataclass(slots=True)

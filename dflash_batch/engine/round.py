@@ -29,7 +29,7 @@ import torch
 
 from dflash_batch.backends.meta import AttentionBackend, AttnMeta
 from dflash_batch.engine.batch import DecodeBatch
-from dflash_batch.engine.sampling import choose_tokens, hold_stops
+from dflash_batch.engine.sampling import add_bias, choose_tokens, hold_stops
 from kernels.sample import top1
 
 ERROR = 3  # a finished code beside kernels.accept's STOP and LENGTH: the logits were not finite
@@ -75,9 +75,12 @@ class Round:
         if greedy:  # no row samples or holds its stop ids (engine.py decides)
             chosen = top1(logits)
         else:
+            def per_verify_row(t: torch.Tensor) -> torch.Tensor:  # [n, L] -> [n * B, L]
+                return t[:n, None, :].expand(n, B, -1).reshape(n * B, -1)
+
             held = (positions + 1).view(n, B) < b.min_stop_pos[:n, None]
-            stops = b.stop_ids[:n, None, :].expand(n, B, -1).reshape(n * B, -1)
-            chosen = choose_tokens(hold_stops(logits, stops, held.reshape(-1)),
+            biased = add_bias(logits, per_verify_row(b.bias_ids), per_verify_row(b.bias))
+            chosen = choose_tokens(hold_stops(biased, per_verify_row(b.stop_ids), held.reshape(-1)),
                                    b.temperature[:n].reshape(-1), b.top_k[:n].reshape(-1),
                                    b.top_p[:n].reshape(-1), b.seed[:n].reshape(-1), positions + 1,
                                    self.ops.sample, b.min_p[:n].reshape(-1))

@@ -44,6 +44,13 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     return torch.softmax(filter_logits(logits, temperature, top_k, top_p, min_p), dim=-1)
 
 
+def add_bias(logits: torch.Tensor, ids: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Logits with each row's biases added. ids [N, L] (-1: none; ids past the vocabulary are
+    ignored), bias [N, L]. Graph-safe, as hold_stops."""
+    valid = (ids >= 0) & (ids < logits.shape[-1])
+    return logits.scatter_add(-1, ids.clamp(0, logits.shape[-1] - 1), (bias * valid).to(logits.dtype))
+
+
 def hold_stops(logits: torch.Tensor, stop_ids: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
     """Logits with each row's stop ids at -inf where `held` (min_tokens not reached yet).
 

@@ -145,6 +145,10 @@ class RowPreparer:
             row.fail("token_out_of_range", f"prompt token id {max(row.prompt_ids)} is outside the "
                      f"model's vocabulary of {self.vocab_size}")
             return
+        if self.vocab_size is not None and max(row.sampling.logit_bias, default=-1) >= self.vocab_size:
+            row.fail("token_out_of_range", f"logit_bias token id {max(row.sampling.logit_bias)} is outside "
+                     f"the model's vocabulary of {self.vocab_size}")
+            return
         if budget < 1:
             row.fail("max_new_tokens_too_large", f"max_new_tokens {max_new} leaves no room for a "
                      f"prompt within {limit} tokens")
