@@ -39,6 +39,8 @@ class InputSpec(_Strict):
     input_ids_column: str | None = Field(None, description="Pre-tokenised prompt (list of ints).")
     system_prompt: str | None = Field(None, description="Prepended as a system message to messages "
                                       "that have none.")
+    tools_column: str | None = Field(None, description="Tool definitions (a list of objects) passed to the "
+                                     "chat template as `tools`, as transformers' apply_chat_template does.")
     passthrough_columns: list[str] = Field(default_factory=list, description="Input columns copied to "
                                            "the output rows unchanged.")
     sampling_columns: dict[str, str] = Field(default_factory=dict, description="Per-row sampling "
@@ -56,6 +58,8 @@ class InputSpec(_Strict):
         if len(given) != 1:
             raise ValueError("set exactly one of prompt_column, messages_column, input_ids_column "
                              f"(got {len(given)})")
+        if self.tools_column and not self.messages_column:
+            raise ValueError("tools_column is only used with messages_column (the chat template renders it)")
         return self
 
     @field_validator("sampling_columns")

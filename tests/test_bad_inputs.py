@@ -1,5 +1,5 @@
 """The bad-input corpus: what a user can get wrong, each case with the message or error row it
-gets. Job files are in tests/test_job.py (23 cases, each naming the field or the problem); here
+gets. Job files are in tests/test_job.py (24 cases, each naming the field or the problem); here
 are input rows (each an error row naming its problem, the rest of the input unharmed), inputs
 and checkpoints (each stopping the run before any work with a message that says what to fix),
 and a property test: random bytes and random JSON lines never crash the readers and never lose

@@ -82,6 +82,7 @@ BAD = [
     ("empty stop string", with_("sampling.stop", [""]), "stop strings must be non-empty"),
     ("bad version", with_("version", 2), "version"),
     ("negative workers", with_("input.workers", -1), "input.workers"),
+    ("tools without messages", with_("input.tools_column", "tools"), "tools_column is only used with messages_column"),
 ]
 
 

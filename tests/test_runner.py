@@ -226,3 +226,22 @@ def test_per_row_n_and_chat_template_kwargs(tmp_path, model_dir):
     run_job(job, fake_factory(), ONE, progress=False)
     again = sorted((r["row_id"], r["sample_index"]) for r in read_out(tmp_path / "out") if r["status"] == "ok")
     assert again == ok
+
+
+def test_tools_column_reaches_the_chat_template(tmp_path, model_dir):
+    (tmp_path / "tools.jinja").write_text(
+        "{% if tools %}TOOLS {{ tools | tojson }}\n{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+    write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "messages": [{"role": "user", "content": "hi"}], "tools": [tool]},
+                                       {"id": "b", "messages": [{"role": "user", "content": "hi"}]},
+                                       {"id": "c", "messages": [{"role": "user", "content": "hi"}], "tools": "add"}])
+    doc = base_job(model_dir, ["p.jsonl"], output={"include_prompt": True})
+    doc["input"] = {"paths": ["p.jsonl"], "messages_column": "messages", "id_column": "id", "tools_column": "tools"}
+    doc["model"]["chat_template"] = "tools.jinja"
+    run_job(write_job(tmp_path, doc), fake_factory(), ONE, progress=False)
+    rows = {r["row_id"]: r for r in read_out(tmp_path / "out")}
+    assert rows["a"]["rendered_prompt"] == 'TOOLS [{"type": "function", "function": {"name": "add", ' \
+                                           '"parameters": {"type": "object"}}}]\nhi'
+    assert rows["b"]["rendered_prompt"] == "hi"
+    assert (rows["c"]["error_type"], rows["c"]["error"]) == ("bad_prompt_type",
+                                                             "column 'tools' must be a list of tool objects")

@@ -118,8 +118,14 @@ class RowPreparer:
             else:
                 if spec.system_prompt and value[0].get("role") != "system":
                     value = [{"role": "system", "content": spec.system_prompt}, *value]
+                kwargs = row.sampling.chat_template_kwargs
+                tools = data.get(spec.tools_column) if spec.tools_column else None
+                if tools is not None:
+                    if not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+                        row.fail("bad_prompt_type", f"column {spec.tools_column!r} must be a list of tool objects")
+                        return None
+                    kwargs = {**kwargs, "tools": tools}
                 try:
-                    kwargs = row.sampling.chat_template_kwargs
                     return "chat", self.tok.render_chat(value, kwargs)
                 except Exception as e:  # a template error concerns this row only
                     row.fail("chat_template_error", f"{type(e).__name__}: {e}")
