@@ -18,8 +18,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from dflash_batch.limits import MAX_LOGIT_BIAS
 
 MAX_CONTEXT = 131072
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "max_new_tokens", "min_tokens", "stop",
-                   "stop_token_ids", "ignore_eos", "seed", "n", "chat_template_kwargs", "logit_bias")
 
 
 class _Strict(BaseModel):
@@ -65,9 +63,10 @@ class InputSpec(_Strict):
     @field_validator("sampling_columns")
     @classmethod
     def _known_sampling_fields(cls, v: dict[str, str]) -> dict[str, str]:
-        bad = sorted(set(v) - set(SAMPLING_FIELDS))
+        fields = list(SamplingSpec.model_fields)  # every sampling field can come from a column
+        bad = sorted(set(v) - set(fields))
         if bad:
-            raise ValueError(f"unknown sampling field(s) {bad}; allowed: {list(SAMPLING_FIELDS)}")
+            raise ValueError(f"unknown sampling field(s) {bad}; allowed: {fields}")
         return v
 
 

@@ -27,7 +27,7 @@ from dflash_batch.engine.cache import SeqRows, build_meta, row_pages
 from dflash_batch.engine.graphs import RoundGraphs
 from dflash_batch.engine.request import Completion, Request
 from dflash_batch.engine.round import ERROR, Round
-from dflash_batch.engine.sampling import add_bias, choose_tokens, hold_stops
+from dflash_batch.engine.sampling import add_bias_, choose_tokens, hold_stops_
 from dflash_batch.engine.sequence import Sequence
 from dflash_batch.plan.buckets import Bucket
 from kernels.accept import STOP
@@ -245,11 +245,12 @@ class Engine:
         """The prompt chunks that run now: (sequence, tokens). A sequence's chunks end at multiples
         of `budget` from its first token, whatever its neighbours, so its prefill splits the same
         way in any batch, shard or resume; a step takes whole chunks, first fit, up to `budget`."""
-        chosen = []
+        chosen, left = [], budget
         for seq in prefilling:
             n = min(len(seq.prompt) - seq.prefilled, budget - seq.prefilled % budget)
-            if n <= budget - sum(c for _, c in chosen):
+            if n <= left:
                 chosen.append((seq, n))
+                left -= n
         return chosen
 
     def _prefill(self, chunks: list[tuple[Sequence, int]], block: int) -> list[Sequence]:
@@ -288,23 +289,24 @@ class Engine:
     def _first_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """The token after each prompt (its coin: the position it takes, the prompt's length)."""
         params = [s.params for s in seqs]
-        if any(p.logit_bias for p in params):
-            width = max(len(p.logit_bias) for p in params)
-            ids = [[t for t, _ in p.logit_bias] + [-1] * (width - len(p.logit_bias)) for p in params]
-            bias = [[b for _, b in p.logit_bias] + [0.0] * (width - len(p.logit_bias)) for p in params]
-            logits = add_bias(logits, torch.tensor(ids, dtype=torch.int64, device=self.device),
-                              torch.tensor(bias, dtype=torch.float32, device=self.device))
-        if any(p.min_tokens for p in params):  # the first token is token 0: held where min_tokens > 0
-            width = max(len(p.stop_token_ids) for p in params)
-            stops = [list(p.stop_token_ids) + [-1] * (width - len(p.stop_token_ids)) for p in params]
-            held = [p.min_tokens > 0 for p in params]
-            logits = hold_stops(logits, torch.tensor(stops, dtype=torch.int64, device=self.device),
-                                torch.tensor(held, device=self.device))
-        if all(p.temperature <= 0 for p in params):
+        if all(p.plain_greedy for p in params):
             return top1(logits)
 
         def col(values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=self.device)
+
+        def table(lists: list[list], fill, dtype: torch.dtype) -> torch.Tensor:  # ragged -> padded
+            width = max(map(len, lists))
+            return col([list(x) + [fill] * (width - len(x)) for x in lists], dtype)
+
+        # In place: `logits` were checked for non-finite values before this. The first token is
+        # token 0, so a row with min_tokens holds its stop ids here.
+        add_bias_(logits, table([[t for t, _ in p.logit_bias] for p in params], -1, torch.int64),
+                  table([[b for _, b in p.logit_bias] for p in params], 0.0, torch.float32))
+        hold_stops_(logits, table([p.stop_token_ids for p in params], -1, torch.int64),
+                    col([p.min_tokens > 0 for p in params], torch.bool))
+        if all(p.temperature <= 0 for p in params):
+            return top1(logits)
 
         return choose_tokens(logits, col([p.temperature for p in params], torch.float32),
                              col([p.top_k for p in params]), col([p.top_p for p in params], torch.float32),
@@ -317,8 +319,7 @@ class Engine:
         padding); extends each sequence with what it emitted."""
         n = max(i for i, s in enumerate(running) if s is not None) + 1
         size = self._padded(n)
-        greedy = all(s.params.temperature <= 0 and not (s.params.min_tokens or s.params.logit_bias)
-                     for s in running[:n] if s is not None)
+        greedy = all(s.params.plain_greedy for s in running[:n] if s is not None)
         positions = [s.position if s is not None else 0 for s in running[:n]]
         # Key lengths for backends that plan on the host (round.py's prepare computes the same
         # on the device); a row without a sequence is padding.

@@ -28,6 +28,11 @@ class SamplingParams:
     min_tokens: int = 0                    # stop ids are held back until this many tokens
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
 
+    @property
+    def plain_greedy(self) -> bool:
+        """The argmax of the target's own logits: no sampling, no bias, no held stop ids."""
+        return self.temperature <= 0 and not self.min_tokens and not self.logit_bias
+
 
 @dataclass(slots=True)
 class Request:

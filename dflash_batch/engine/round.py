@@ -29,7 +29,7 @@ import torch
 
 from dflash_batch.backends.meta import AttentionBackend, AttnMeta
 from dflash_batch.engine.batch import DecodeBatch
-from dflash_batch.engine.sampling import add_bias, choose_tokens, hold_stops
+from dflash_batch.engine.sampling import add_bias_, choose_tokens, hold_stops_
 from kernels.sample import top1
 
 ERROR = 3  # a finished code beside kernels.accept's STOP and LENGTH: the logits were not finite
@@ -72,21 +72,22 @@ class Round:
         verify = meta("verify", verify_kv, logits_rows=b.q_index[:n].reshape(-1),
                       state_ids=b.state_slot[:n], stage=self.recurrent)
         logits, taps = self.target(ids.reshape(-1), verify)
-        if greedy:  # no row samples or holds its stop ids (engine.py decides)
+        # A row whose logits are not finite fails alone (its sequence becomes an error row);
+        # checked before held stop ids are set to -inf.
+        finite = torch.isfinite(logits).all(-1).view(n, B).all(-1)
+        if greedy:  # no row samples, biases or holds its stop ids (engine.py decides)
             chosen = top1(logits)
         else:
             def per_verify_row(t: torch.Tensor) -> torch.Tensor:  # [n, L] -> [n * B, L]
                 return t[:n, None, :].expand(n, B, -1).reshape(n * B, -1)
 
+            add_bias_(logits, per_verify_row(b.bias_ids), per_verify_row(b.bias))
             held = (positions + 1).view(n, B) < b.min_stop_pos[:n, None]
-            biased = add_bias(logits, per_verify_row(b.bias_ids), per_verify_row(b.bias))
-            chosen = choose_tokens(hold_stops(biased, per_verify_row(b.stop_ids), held.reshape(-1)),
-                                   b.temperature[:n].reshape(-1), b.top_k[:n].reshape(-1),
+            hold_stops_(logits, per_verify_row(b.stop_ids), held.reshape(-1))
+            chosen = choose_tokens(logits, b.temperature[:n].reshape(-1), b.top_k[:n].reshape(-1),
                                    b.top_p[:n].reshape(-1), b.seed[:n].reshape(-1), positions + 1,
                                    self.ops.sample, b.min_p[:n].reshape(-1))
         accepted = self.ops.accept(ids, chosen.view(n, B), b.pos[:n], b.budget[:n], b.stop_ids[:n], b.out[:n])
-        # A row whose logits are not finite fails alone (its sequence becomes an error row).
-        finite = torch.isfinite(logits).all(-1).view(n, B).all(-1)
         b.out[:n, B + 1] = torch.where(finite, b.out[:n, B + 1], ERROR)
         if self.drafter is not None:
             self.drafter.write_context(taps, verify)

@@ -44,21 +44,20 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     return torch.softmax(filter_logits(logits, temperature, top_k, top_p, min_p), dim=-1)
 
 
-def add_bias(logits: torch.Tensor, ids: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """Logits with each row's biases added. ids [N, L] (-1: none; ids past the vocabulary are
-    ignored), bias [N, L]. Graph-safe, as hold_stops."""
+def add_bias_(logits: torch.Tensor, ids: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Add each row's biases to `logits` in place. ids [N, L] (-1: none; ids past the vocabulary
+    are ignored), bias [N, L]. Touches N x L entries, no host sync (graph-safe)."""
     valid = (ids >= 0) & (ids < logits.shape[-1])
-    return logits.scatter_add(-1, ids.clamp(0, logits.shape[-1] - 1), (bias * valid).to(logits.dtype))
+    return logits.scatter_add_(-1, ids.clamp(0, logits.shape[-1] - 1), (bias * valid).to(logits.dtype))
 
 
-def hold_stops(logits: torch.Tensor, stop_ids: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
-    """Logits with each row's stop ids at -inf where `held` (min_tokens not reached yet).
+def hold_stops_(logits: torch.Tensor, stop_ids: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+    """Set each row's stop ids to -inf in place where `held` (min_tokens not reached yet).
 
-    logits [N, V]; stop_ids [N, S] (-1: none); held [N] bool. No host sync, no branch on values
-    (graph-safe); a stop id listed twice is held once."""
-    hits = torch.zeros_like(logits).scatter_add_(
-        -1, stop_ids.clamp_min(0), (held[:, None] & (stop_ids >= 0)).to(logits.dtype))
-    return logits.masked_fill(hits > 0, float("-inf"))
+    logits [N, V]; stop_ids [N, S] (-1: none); held [N] bool. A minimum with +inf leaves an entry
+    as it is, so padding ids (clamped onto id 0) and ids listed twice are harmless."""
+    cut = torch.where(held[:, None] & (stop_ids >= 0), float("-inf"), float("inf")).to(logits.dtype)
+    return logits.scatter_reduce_(-1, stop_ids.clamp_min(0), cut, reduce="amin")
 
 
 def choose_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
