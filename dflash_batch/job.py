@@ -123,6 +123,13 @@ class SamplingSpec(_Strict):
     logit_bias: dict[int, float] = Field(default_factory=dict, description="Added to the target's logits "
                                          f"of these token ids before any filtering (at most {MAX_LOGIT_BIAS} "
                                          "ids, each bias in [-100, 100]).")
+    repetition_penalty: float = Field(1.0, gt=0.0, description="A token in the prompt or already generated "
+                                      "has its logit divided by this where positive, multiplied where not "
+                                      "(after logit_bias); 1 = off.")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted from a token's logit once "
+                                     "per time it was generated (not counting the prompt); 0 = off.")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted from the logit of every "
+                                    "token generated at least once (not counting the prompt); 0 = off.")
     stop: list[str] = Field(default_factory=list, description="Stop strings (matched on decoded text; "
                             "the output is cut before the match).")
     stop_token_ids: list[int] = Field(default_factory=list)

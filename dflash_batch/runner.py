@@ -118,7 +118,9 @@ class _Run:
         """Engine sampling parameters of a row (seed still 0): EOS joins the stop ids."""
         stops = tuple(dict.fromkeys(s.stop_token_ids if s.ignore_eos else (*self.eos, *s.stop_token_ids)))
         return SamplingParams(s.temperature, s.top_p, s.top_k, s.max_new_tokens, tuple(s.stop), stops,
-                              min_p=s.min_p, min_tokens=s.min_tokens, logit_bias=tuple(s.logit_bias.items()))
+                              min_p=s.min_p, min_tokens=s.min_tokens, logit_bias=tuple(s.logit_bias.items()),
+                              repetition_penalty=s.repetition_penalty, frequency_penalty=s.frequency_penalty,
+                              presence_penalty=s.presence_penalty)
 
     def _requests(self, row: PreparedRow) -> list[Request]:
         s = row.sampling

@@ -1,6 +1,6 @@
 """Different sampling settings in one batch: every request decodes exactly as it does alone, on
 both model families (the settings are per row all the way down: a row's temperature, top-k,
-top-p, budget and stop ids never leak to its neighbours), and through `dflash-batch run` with
+top-p, min-p, penalties, budget and stop ids never leak to its neighbours), and through `dflash-batch run` with
 per-row overrides from sampling_columns. float64, so "exactly" is exact."""
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from tests.engine_util import F64, bucket, load_pair, make_drafter, make_target,
 from tests.jobs_util import base_job, read_out, write_job, write_jsonl
 
 SETTINGS = [dict(), dict(temperature=0.7, top_k=3), dict(temperature=1.3, top_p=0.8),
-            dict(temperature=1.0), dict(temperature=0.5, top_k=2, top_p=0.9), dict(),
+            dict(temperature=1.0, repetition_penalty=1.4), dict(temperature=0.5, top_k=2, top_p=0.9),
+            dict(frequency_penalty=0.6, presence_penalty=0.9),
             dict(temperature=2.0, top_k=5, min_p=0.2), dict(temperature=1.5, min_p=0.5)]
 
 
@@ -71,12 +72,14 @@ def test_per_row_overrides_through_run(tmp_path, qwen3):
             (tokdir / f.name).symlink_to(f)
     prompts = random_prompts([5, 31, 12, 2, 47, 9, 20, 14], seed=8)
     rows = [{"id": f"r{i}", "ids": p, "t": s.get("temperature"), "k": s.get("top_k"), "p": s.get("top_p"),
-             "mp": s.get("min_p"), "m": 8 + 5 * (i % 3)} for i, (p, s) in enumerate(zip(prompts, SETTINGS))]
+             "mp": s.get("min_p"), "rp": s.get("repetition_penalty"), "fp": s.get("frequency_penalty"),
+             "pp": s.get("presence_penalty"), "m": 8 + 5 * (i % 3)} for i, (p, s) in enumerate(zip(prompts, SETTINGS))]
     write_jsonl(tmp_path / "p.jsonl", rows)
     doc = base_job(tokdir, ["p.jsonl"], sampling={"ignore_eos": True},
                    input={"prompt_column": None, "input_ids_column": "ids", "workers": 0,
                           "sampling_columns": {"temperature": "t", "top_k": "k", "top_p": "p", "min_p": "mp",
-                                               "max_new_tokens": "m"}},
+                                               "repetition_penalty": "rp", "frequency_penalty": "fp",
+                                               "presence_penalty": "pp", "max_new_tokens": "m"}},
                    engine={"max_num_seqs": 8, "compile": False}, output={"include_token_ids": True})
     doc["model"].update(drafter=str(drafter), dtype="float64")
     job = write_job(tmp_path, doc)

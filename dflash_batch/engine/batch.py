@@ -18,10 +18,11 @@ from dflash_batch.limits import MAX_LOGIT_BIAS
 
 class DecodeBatch:
     def __init__(self, rows: int, block: int, max_pages: int, page_size: int, sequences: int,
-                 device: torch.device | str, stop_width: int = 4):
+                 device: torch.device | str, stop_width: int = 4, vocab_size: int = 0, penalties: bool = False):
         """`rows` (>= `sequences`, padded up to a capture size); the first `sequences` state slots
         and `sequences * max_pages` pages belong to the rows that can run one; the next slot and
-        page are scratch for padding rows (the engine allocates them)."""
+        page are scratch for padding rows (the engine allocates them). `penalties`: allocate the
+        token counts penalties read now (else at the first row that asks for them)."""
         def full(shape, value, dtype=torch.int64):
             return torch.full(shape, value, dtype=dtype, device=device)
 
@@ -40,15 +41,25 @@ class DecodeBatch:
         self.min_stop_pos = full((rows,), 0)           # first position where a stop id may come
         self.bias_ids = full((rows, MAX_LOGIT_BIAS), -1)  # logit_bias: token ids (-1: none)
         self.bias = full((rows, MAX_LOGIT_BIAS), 0.0, torch.float32)
+        self.repetition = full((rows,), 1.0, torch.float32)  # penalties (engine/sampling.py's penalize_)
+        self.frequency = full((rows,), 0.0, torch.float32)
+        self.presence = full((rows,), 0.0, torch.float32)
+        # Per row and token: times generated, and whether in the prompt ([rows, vocab] each, so
+        # only allocated for buckets whose requests use penalties).
+        self.counts: torch.Tensor | None = None
+        self.in_prompt: torch.Tensor | None = None
         self.seed = full((rows, block), 0)
         self.stop_ids = full((rows, stop_width), -1)  # stop token ids (-1: none)
         self.state_slot = full((rows,), sequences)  # recurrent-state slot (hybrid targets)
         self.out = full((rows, block + 2), 0)          # a round's result: emitted | kept | finished
         self.q_index = torch.arange(rows * block, device=device).view(rows, block)
         self.no_rows = full((0,), 0)
-        # Set when the stop ids had to grow: graphs captured over the old tensor no longer
-        # cover this batch (rounds run eagerly until the engine replaces it at the next bucket).
+        self.vocab_size = vocab_size
+        # Set when the stop ids had to grow or the counts appeared: graphs captured before no
+        # longer cover this batch (rounds run eagerly until the engine replaces it at the next bucket).
         self.reshaped = False
+        if penalties:
+            self._allocate_counts()
 
     def put(self, row: int, seq: Sequence) -> None:
         """Start decoding `seq` in `row`: its anchor, position, budget, pages and settings."""
@@ -56,10 +67,14 @@ class DecodeBatch:
         stops = list(p.stop_token_ids)
         if len(stops) > self.stop_ids.shape[1]:
             self._grow_stops(len(stops))
+        if p.penalized and self.counts is None:
+            self._allocate_counts()
+            self.reshaped = True
         host = {self.pos: seq.position, self.budget: p.max_new_tokens - len(seq.tokens),
                 self.temperature: p.temperature, self.top_k: p.top_k, self.top_p: p.top_p, self.min_p: p.min_p,
                 self.seed: p.seed, self.state_slot: seq.row,
-                self.min_stop_pos: len(seq.prompt) + p.min_tokens}
+                self.min_stop_pos: len(seq.prompt) + p.min_tokens, self.repetition: p.repetition_penalty,
+                self.frequency: p.frequency_penalty, self.presence: p.presence_penalty}
         for tensor, value in host.items():
             tensor[row] = value
         self.ids[row, 0] = seq.tokens[-1]
@@ -74,6 +89,10 @@ class DecodeBatch:
             self.bias[row, :len(ids)] = torch.tensor(bias, device=self.device)
         if stops:
             self.stop_ids[row, :len(stops)] = torch.tensor(stops, device=self.device)
+        if self.counts is not None:  # kept for every row once there: a round adds what it emits
+            self.counts[row] = torch.bincount(self._ids(seq.tokens), minlength=self.vocab_size)
+            self.in_prompt[row] = False
+            self.in_prompt[row, self._ids(seq.prompt)] = True
 
     def clear(self, row: int) -> None:
         """Make a row padding."""
@@ -87,6 +106,13 @@ class DecodeBatch:
         for row in range(self.rows):
             if self.host_tables[row]:
                 self.clear(row)
+
+    def _ids(self, ids: list[int]) -> torch.Tensor:
+        return torch.tensor(ids, dtype=torch.int64, device=self.device)
+
+    def _allocate_counts(self) -> None:
+        self.counts = torch.zeros((self.rows, self.vocab_size), dtype=torch.int32, device=self.device)
+        self.in_prompt = torch.zeros((self.rows, self.vocab_size), dtype=torch.bool, device=self.device)
 
     def _grow_stops(self, width: int) -> None:
         grown = torch.full((self.rows, width), -1, dtype=torch.int64, device=self.device)

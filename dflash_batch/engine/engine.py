@@ -27,7 +27,7 @@ from dflash_batch.engine.cache import SeqRows, build_meta, row_pages
 from dflash_batch.engine.graphs import RoundGraphs
 from dflash_batch.engine.request import Completion, Request
 from dflash_batch.engine.round import ERROR, Round
-from dflash_batch.engine.sampling import add_bias_, choose_tokens, hold_stops_
+from dflash_batch.engine.sampling import add_bias_, choose_tokens, hold_stops_, penalize_
 from dflash_batch.engine.sequence import Sequence
 from dflash_batch.plan.buckets import Bucket
 from kernels.accept import STOP
@@ -119,6 +119,7 @@ class Engine:
         self.rounds: dict[int, Round] = {}  # by block size: compiled code is kept across buckets
         self.bucket_state: tuple | None = None  # (shape, caches, batch, round, graphs) of the last bucket
         self.stop_width = 4  # stop ids a row can hold; grows with the requests (batch.py)
+        self.penalties = False  # a request asked for penalties: later buckets allocate their counts
 
     # -- public --------------------------------------------------------------------------------
     def generate(self, requests: Iterable[Request], bucket: Bucket) -> Iterator[Completion]:
@@ -216,9 +217,11 @@ class Engine:
         rows = self._padded(seqs)
         if self.recurrent:  # a state slot per row; slot `seqs` is the padding rows' scratch
             self.target.allocate_state(seqs + 1, rows, block, self.device)
-        if self.bucket_state is not None:  # keep the widest stop list seen: no second regrowth
+        if self.bucket_state is not None:  # keep the widest stop list seen, and counts: no second regrowth
             self.stop_width = max(self.stop_width, self.bucket_state[2].stop_ids.shape[1])
-        batch = DecodeBatch(rows, block, pages_per_row, self.page_size, seqs, self.device, self.stop_width)
+            self.penalties |= self.bucket_state[2].counts is not None
+        batch = DecodeBatch(rows, block, pages_per_row, self.page_size, seqs, self.device, self.stop_width,
+                            self.vocab_size, self.penalties)
         self.log(f"bucket {bucket.name}: {seqs} rows of {pages_per_row * self.page_size} slots, block {block}, "
                  f"KV caches {cache_bytes / 2**20:.1f} MiB")
         if block not in self.rounds:
@@ -300,9 +303,18 @@ class Engine:
             return col([list(x) + [fill] * (width - len(x)) for x in lists], dtype)
 
         # In place: `logits` were checked for non-finite values before this. The first token is
-        # token 0, so a row with min_tokens holds its stop ids here.
+        # token 0: nothing generated yet (only the prompt is penalised) and a row with min_tokens
+        # holds its stop ids.
         add_bias_(logits, table([[t for t, _ in p.logit_bias] for p in params], -1, torch.int64),
                   table([[b for _, b in p.logit_bias] for p in params], 0.0, torch.float32))
+        if any(p.penalized for p in params):
+            in_prompt = torch.zeros(logits.shape, dtype=torch.bool, device=self.device)
+            for i, seq in enumerate(seqs):
+                in_prompt[i, seq.prompt] = True
+            penalize_(logits, torch.zeros(logits.shape, dtype=torch.int32, device=self.device), in_prompt,
+                      col([[]] * len(seqs)), col([p.repetition_penalty for p in params], torch.float32),
+                      col([p.frequency_penalty for p in params], torch.float32),
+                      col([p.presence_penalty for p in params], torch.float32))
         hold_stops_(logits, table([p.stop_token_ids for p in params], -1, torch.int64),
                     col([p.min_tokens > 0 for p in params], torch.bool))
         if all(p.temperature <= 0 for p in params):

@@ -27,11 +27,18 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0                    # stop ids are held back until this many tokens
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    repetition_penalty: float = 1.0        # engine/sampling.py's penalize_ defines the three
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
 
     @property
     def plain_greedy(self) -> bool:
-        """The argmax of the target's own logits: no sampling, no bias, no held stop ids."""
-        return self.temperature <= 0 and not self.min_tokens and not self.logit_bias
+        """The argmax of the target's own logits: no sampling, no bias, penalty or held stop ids."""
+        return self.temperature <= 0 and not self.min_tokens and not self.logit_bias and not self.penalized
 
 
 @dataclass(slots=True)

@@ -3,7 +3,8 @@
     prepare  positions, cache slots and the draft block [anchor, mask x (B-1)] from the state
     draft    one drafter forward over the block -> d_1..d_{B-1} (greedy proposal)
     verify   the target runs [anchor, d_1..d_{B-1}] at positions P..P+B-1 (causal): logits + taps
-    choose   t_j = argmax, or the row's seeded sample of the filtered distribution
+    choose   t_j = argmax, or the row's seeded sample of the filtered distribution (after the
+             row's logit bias, penalties along the drafted path, and held stop ids)
     accept   n = longest prefix with d_{j+1} == t_j; emit t_0..t_n (cut by budget and stop
              tokens); the last emitted token is the next anchor; pos and budget advance
     context  the drafter turns the B rows' taps into context K/V (rows past the accepted ones are
@@ -29,7 +30,7 @@ import torch
 
 from dflash_batch.backends.meta import AttentionBackend, AttnMeta
 from dflash_batch.engine.batch import DecodeBatch
-from dflash_batch.engine.sampling import add_bias_, choose_tokens, hold_stops_
+from dflash_batch.engine.sampling import add_bias_, choose_tokens, hold_stops_, penalize_
 from kernels.sample import top1
 
 ERROR = 3  # a finished code beside kernels.accept's STOP and LENGTH: the logits were not finite
@@ -82,6 +83,9 @@ class Round:
                 return t[:n, None, :].expand(n, B, -1).reshape(n * B, -1)
 
             add_bias_(logits, per_verify_row(b.bias_ids), per_verify_row(b.bias))
+            if b.counts is not None:
+                penalize_(logits, b.counts[:n], b.in_prompt[:n], ids[:, 1:], b.repetition[:n], b.frequency[:n],
+                          b.presence[:n])
             held = (positions + 1).view(n, B) < b.min_stop_pos[:n, None]
             hold_stops_(logits, per_verify_row(b.stop_ids), held.reshape(-1))
             chosen = choose_tokens(logits, b.temperature[:n].reshape(-1), b.top_k[:n].reshape(-1),
@@ -89,6 +93,9 @@ class Round:
                                    self.ops.sample, b.min_p[:n].reshape(-1))
         accepted = self.ops.accept(ids, chosen.view(n, B), b.pos[:n], b.budget[:n], b.stop_ids[:n], b.out[:n])
         b.out[:n, B + 1] = torch.where(finite, b.out[:n, B + 1], ERROR)
+        if b.counts is not None:  # what the rows emitted is generated now
+            emitted = b.out[:n, :B]
+            b.counts[:n].scatter_add_(-1, emitted.clamp_min(0), (emitted >= 0).to(b.counts.dtype))
         if self.drafter is not None:
             self.drafter.write_context(taps, verify)
         if self.recurrent:

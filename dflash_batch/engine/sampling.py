@@ -1,4 +1,5 @@
-"""Token choice for every row of a forward: greedy, or temperature + top-k + top-p + min-p.
+"""Token choice for every row of a forward: greedy, or temperature + top-k + top-p + min-p,
+after the logit edits a request may ask for (logit bias, penalties, held stop ids).
 
 Sampling is by inverse CDF at the row's coin, hashed from (the sample's seed, the position of
 the token being chosen) (kernels/coins.py): a sequence's tokens never depend on what else is in
@@ -58,6 +59,45 @@ def hold_stops_(logits: torch.Tensor, stop_ids: torch.Tensor, held: torch.Tensor
     as it is, so padding ids (clamped onto id 0) and ids listed twice are harmless."""
     cut = torch.where(held[:, None] & (stop_ids >= 0), float("-inf"), float("inf")).to(logits.dtype)
     return logits.scatter_reduce_(-1, stop_ids.clamp_min(0), cut, reduce="amin")
+
+
+def penalize_(logits: torch.Tensor, counts: torch.Tensor, prompt: torch.Tensor, drafts: torch.Tensor,
+              repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:
+    """Apply repetition, frequency and presence penalties to `logits` in place, as vLLM and the
+    OpenAI API define them: a token already generated or in the prompt has its logit divided by
+    `repetition` where positive, multiplied where not; then `frequency` x (times generated) and
+    `presence` x (generated at all) are subtracted.
+
+    logits [n * B, V] are the B verify rows of n sequences; counts [n, V] how often each token
+    was generated before the block (its anchor included); prompt [n, V] bool; drafts [n, B - 1].
+    Row j of a block follows d_1..d_j, so it sees them as generated: penalties are those of
+    target-only decoding along the drafted path. Each row's penalties are [n] (1, 0, 0: off,
+    which leaves every logit exactly as it is). No host sync, no branch on values (graph-safe).
+    """
+    n, V = counts.shape
+    B = logits.shape[0] // n
+    rows = logits.view(n, B, V)
+    rep, freq, pres = (x.view(n, 1, 1).to(logits.dtype) for x in (repetition, frequency, presence))
+
+    def penalized(x: torch.Tensor, count: torch.Tensor, in_prompt: torch.Tensor) -> torch.Tensor:
+        seen = (count > 0) | in_prompt
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+        return x - freq * count - pres * (count > 0)
+
+    if B > 1:
+        # At the drafts' ids the count grows along the block: in row j, token t has been drafted
+        # #{k < j: d_{k+1} == t} times. Every entry of one id in a row gets the same value.
+        at = drafts[:, None, :].expand(n, B, B - 1)
+        k = torch.arange(B - 1, device=logits.device)
+        seen_by_row = k[None, :] < torch.arange(B, device=logits.device)[:, None]  # [B, B - 1]
+        same = drafts[:, :, None] == drafts[:, None, :]                           # [n, B - 1, B - 1]
+        extra = (same[:, None] & seen_by_row[None, :, None, :]).sum(-1)          # [n, B, B - 1]
+        drafted = penalized(rows.gather(-1, at), counts.gather(-1, drafts)[:, None, :] + extra,
+                            prompt.gather(-1, drafts)[:, None, :])
+    rows.copy_(penalized(rows, counts[:, None, :], prompt[:, None, :]))
+    if B > 1:
+        rows.scatter_(-1, at, drafted)
+    return logits
 
 
 def choose_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
