@@ -15,7 +15,7 @@ import orjson
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from dflash_batch.limits import MAX_LOGIT_BIAS
+from dflash_batch.limits import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 MAX_CONTEXT = 131072
 
@@ -130,6 +130,13 @@ class SamplingSpec(_Strict):
                                      "per time it was generated (not counting the prompt); 0 = off.")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Subtracted from the logit of every "
                                     "token generated at least once (not counting the prompt); 0 = off.")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Write each generated token's "
+                                 "logprob and the top-K (id, logprob) at its position: log_softmax(target "
+                                 "logits / temperature), temperature 0 read as 1, before logit_bias, "
+                                 "penalties and filters. 0 = the token's own only; absent = none.")
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="The same for every prompt "
+                                        "token after the first (needs the prompt's logits: prefill then costs "
+                                        "a vocabulary-wide row per prompt token).")
     stop: list[str] = Field(default_factory=list, description="Stop strings (matched on decoded text; "
                             "the output is cut before the match).")
     stop_token_ids: list[int] = Field(default_factory=list)

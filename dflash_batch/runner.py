@@ -60,9 +60,14 @@ class _Run:
         self.eos = tuple(stop_token_ids(job.model.target, tokenizer))
         out_dir = Path(job.output.dir)
         self.done = committed_keys(out_dir, shard.index)
+        def asked(field: str) -> bool:  # by the job, or by rows through sampling_columns
+            return getattr(job.sampling, field) is not None or field in job.input.sampling_columns
+
         optional = [c for c, on in (("response_token_ids", job.output.include_token_ids),
                                     ("rendered_prompt", job.output.include_prompt),
                                     ("reasoning", delimiters is not None)) if on]
+        optional += ["logprobs", "top_logprob_ids", "top_logprobs"] * asked("logprobs")
+        optional += ["prompt_logprobs", "prompt_top_logprob_ids", "prompt_top_logprobs"] * asked("prompt_logprobs")
         self.writer = None if parallel.rank() else PartWriter(
             shard_dir(out_dir, shard.index), passthrough=job.input.passthrough_columns,
             optional=optional, rows_per_part=job.output.rows_per_part,
@@ -106,6 +111,10 @@ class _Run:
             ids = c.token_ids[:-1] if c.finish_reason == "stop" and not by_string else c.token_ids
             out["reasoning"], out["response"] = split_reasoning(
                 row.prompt_ids, ids, c.stop_reason if by_string else None, self.delimiters, self.tok.decode)
+        for prefix, lp in (("", c.logprobs), ("prompt_", c.prompt_logprobs)):
+            if lp is not None:
+                out.update({f"{prefix}logprobs": lp.token, f"{prefix}top_logprob_ids": lp.top_ids,
+                            f"{prefix}top_logprobs": lp.top})
         if c.spec is not None:
             rounds, accepted, b = c.spec.rounds, c.spec.accepted, c.spec.block_size
             out.update(spec_block_size=b, spec_rounds=rounds, spec_accepted=accepted,
@@ -120,7 +129,8 @@ class _Run:
         return SamplingParams(s.temperature, s.top_p, s.top_k, s.max_new_tokens, tuple(s.stop), stops,
                               min_p=s.min_p, min_tokens=s.min_tokens, logit_bias=tuple(s.logit_bias.items()),
                               repetition_penalty=s.repetition_penalty, frequency_penalty=s.frequency_penalty,
-                              presence_penalty=s.presence_penalty)
+                              presence_penalty=s.presence_penalty, logprobs=s.logprobs,
+                              prompt_logprobs=s.prompt_logprobs)
 
     def _requests(self, row: PreparedRow) -> list[Request]:
         s = row.sampling

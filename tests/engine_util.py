@@ -10,7 +10,7 @@ from transformers import Qwen3Config
 
 from dflash.model import DFlash2DraftModel, DFlashDraftModel
 from dflash_batch.engine.engine import Engine
-from dflash_batch.engine.request import Completion, Request, SamplingParams
+from dflash_batch.engine.request import Completion, Logprobs, Request, SamplingParams
 from dflash_batch.engine.pair import attach_drafter
 from dflash_batch.models.loader import load_model
 from dflash_batch.plan.buckets import Bucket
@@ -88,6 +88,11 @@ def run(engine: Engine, prompts: list[list[int]], bucket_: Bucket, **params) -> 
     reqs = [Request((str(i), 0), p, SamplingParams(**{"seed": 1000 + i, **params})) for i, p in enumerate(prompts)]
     done = {c.key: c for c in engine.generate(reqs, bucket_)}
     return [done[r.key] for r in reqs]
+
+
+def after_first(lp: Logprobs) -> Logprobs:
+    """Prompt logprobs without the first prompt token's (None: nothing predicts it)."""
+    return Logprobs(lp.token[1:], lp.top_ids[1:], lp.top[1:])
 
 
 def random_prompts(lengths: list[int], vocab: int = VOCAB, seed: int = 0) -> list[list[int]]:

@@ -20,7 +20,7 @@ from transformers import RepetitionPenaltyLogitsProcessor
 from dflash_batch.engine.engine import Engine
 from dflash_batch.engine.request import Request, SamplingParams
 from dflash_batch.engine.sampling import filtered_probs
-from tests.engine_util import F64, VOCAB, bucket, load_pair, make_drafter, make_target, random_prompts, run
+from tests.engine_util import F64, VOCAB, after_first, bucket, load_pair, make_drafter, make_target, random_prompts, run
 from tests.tiny_models import load_hf_model
 
 TOP_K, TOP_P, MIN_P = 5, 0.9, 0.3  # min-p removes 30% of the mass the others leave
@@ -321,6 +321,50 @@ def test_penalties_match_a_direct_loop(models, speculation):
         # Sampled: spec == target-only at the same coins.
         sampled = [[c.token_ids for c in generate(spec, temperature=1.0)] for spec in (True, False)]
         assert sampled[0] == sampled[1]
+
+
+LOGPROB_SETTINGS = [dict(logprobs=5), dict(temperature=0.7, logprobs=3, prompt_logprobs=2), {},
+                    dict(logprobs=0, logit_bias=((2, 30.0),)), dict(temperature=1.2, top_k=3, prompt_logprobs=0)]
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("speculation", [True, False], ids=["spec", "target_only"])
+def test_logprobs_are_the_targets_log_softmax(models, speculation):
+    """Each token's logprob and top-k equal log_softmax(logits / temperature) of transformers'
+    Qwen3 run over prompt + output (float64), at every generated position whether the token
+    came from a draft or not, before logit bias; prompt logprobs likewise along the prompt, with
+    prompt chunks split across prefill steps."""
+    hf = load_hf_model(models["soft"]).double()
+    prompts = random_prompts([5, 40, 13, 70, 29], seed=9)
+    engine = Engine(*load_pair(models["soft"], models["v2"], F64), dtype=F64, max_num_batched_tokens=32)
+    reqs = [Request((str(i), 0), p, SamplingParams(max_new_tokens=20, seed=i, **s))
+            for i, (p, s) in enumerate(zip(prompts, LOGPROB_SETTINGS))]
+    got = {c.key: c for c in engine.generate(reqs, bucket(speculation=speculation))}
+    for req in reqs:
+        c, p = got[req.key], req.params
+        with torch.no_grad():
+            logits = hf(torch.tensor([req.prompt_ids + c.token_ids])).logits[0]
+        want = torch.log_softmax(logits / (p.temperature or 1.0), -1)
+        n = len(req.prompt_ids)
+        for lp, k, at, tokens in ((c.logprobs, p.logprobs, want[n - 1:-1], c.token_ids),
+                                  (c.prompt_logprobs, p.prompt_logprobs, want[:n - 1], req.prompt_ids[1:])):
+            if k is None:
+                assert lp is None
+                continue
+            if lp is c.prompt_logprobs:
+                assert lp.token[0] is None
+                lp = after_first(lp)
+            assert len(lp.token) == len(tokens) == len(at)
+            expected = at.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+            # float32 apart: logprobs are kept in float32 and the temperature is the sampler's float32
+            torch.testing.assert_close(torch.tensor(lp.token, dtype=F64), expected, atol=1e-6, rtol=1e-6)
+            top = at.topk(k, -1)
+            assert lp.top_ids == top.indices.tolist()
+            torch.testing.assert_close(torch.tensor(lp.top, dtype=F64).view(len(tokens), k), top.values,
+                                       atol=1e-6, rtol=1e-6)
+    assert got[("3", 0)].token_ids[:3] == [2, 2, 2], "the bias moves tokens, not logprobs"
+    if speculation:
+        assert any(n for c in got.values() for n in c.spec.per_round), "no draft accepted"
 
 
 # -- stop strings ----------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from dflash_batch.build import build_engine
 from dflash_batch.engine.pair import check_pair
@@ -17,7 +18,7 @@ from dflash_batch.job import JobError, parse_job
 from dflash_batch.models.loader import load_model
 from dflash_batch.models.registry import model_class
 from tests import engine_tp_worker
-from tests.engine_util import F64, bucket, random_prompts, run
+from tests.engine_util import F64, after_first, bucket, random_prompts, run
 from tests.kimi_pair import BLOCK, TAPS, VOCAB, load_pair, make_kimi_pair
 from tests.kimi_reference import load_reference, reference_forward
 from tests.test_tp import free_port
@@ -71,6 +72,33 @@ def test_target_only_greedy_matches_fp64_reference(tmp_path):
         assert top[0] - top[1] > 1e-3, "near tie: fp32 and fp64 may rightly disagree; pick another prompt"
         seq.append(int(logits.argmax()))
     assert got == seq[len(prompt):]
+
+
+@pytest.mark.numerics
+def test_logprobs_are_the_fp64_references_log_softmax(pairs):
+    """Speculative decoding with logprobs: every generated token's (drafted or not) and every
+    prompt token's logprob and top-k equal log_softmax(logits / temperature) of the fp64
+    reference run over prompt + output."""
+    target_dir, drafter_dir = pairs["prefix"]
+    engine = Engine(*load_pair(target_dir, drafter_dir, F64), dtype=F64, max_num_batched_tokens=16)
+    prompts = random_prompts([9, 30, 2], vocab=VOCAB, seed=7)
+    got = run(engine, prompts, bucket(), max_new_tokens=16, temperature=0.8, logprobs=4, prompt_logprobs=3)
+    assert sum(n for c in got for n in c.spec.per_round) > 0, "no draft accepted"
+    ref = load_reference(target_dir)
+    for prompt, c in zip(prompts, got):
+        logits = reference_forward(ref, prompt + c.token_ids, [])[0]
+        want = torch.log_softmax(logits / torch.tensor(0.8, dtype=torch.float32).double(), -1)
+        n = len(prompt)
+        for lp, at, tokens in ((c.logprobs, want[n - 1:-1], c.token_ids),
+                               (after_first(c.prompt_logprobs), want[:n - 1], prompt[1:])):
+            assert len(lp.token) == len(tokens)
+            if not tokens:
+                continue
+            torch.testing.assert_close(torch.tensor(lp.token, dtype=F64),
+                                       at.gather(-1, torch.tensor(tokens)[:, None])[:, 0], atol=1e-6, rtol=1e-6)
+            assert lp.top_ids == at.topk(4 if lp is c.logprobs else 3).indices.tolist()
+            torch.testing.assert_close(torch.tensor(lp.top, dtype=F64), at.topk(len(lp.top[0])).values,
+                                       atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.numerics

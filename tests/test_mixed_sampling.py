@@ -5,6 +5,7 @@ per-row overrides from sampling_columns. float64, so "exactly" is exact."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from dflash_batch.engine.engine import Engine
@@ -60,36 +61,71 @@ def test_mixed_settings_in_one_batch_kimi(tmp_path):
     assert decoded(engine, reqs, 8) == each_alone(engine, reqs)
 
 
-def test_per_row_overrides_through_run(tmp_path, qwen3):
-    """sampling_columns give each row its own temperature, top-k, top-p and budget; the job's
-    rows equal the engine decoding each request alone with those settings."""
-    target, drafter = qwen3
+def _model_dir(tmp_path, target):
+    """The tiny target beside a tokenizer (261 ids; the model has 8: prompts come as ids, and the
+    engine is built by the test rather than by build_engine, which would refuse the pairing)."""
     tokdir = tmp_path / "model"
     make_tokenizer_dir(tokdir, vocab_size=256)
     (tokdir / "config.json").write_text((target / "config.json").read_text())
     for f in target.iterdir():
         if f.name.endswith(".safetensors"):
             (tokdir / f.name).symlink_to(f)
+    return tokdir
+
+
+def _run(tmp_path, qwen3, rows: list[dict], sampling_columns: dict, sampling: dict | None = None) -> tuple:
+    target, drafter = qwen3
+    write_jsonl(tmp_path / "p.jsonl", rows)
+    doc = base_job(_model_dir(tmp_path, target), ["p.jsonl"], sampling={"ignore_eos": True, **(sampling or {})},
+                   input={"prompt_column": None, "input_ids_column": "ids", "workers": 0,
+                          "sampling_columns": sampling_columns},
+                   engine={"max_num_seqs": 8, "compile": False}, output={"include_token_ids": True})
+    doc["model"].update(drafter=str(drafter), dtype="float64")
+    engine = Engine(*load_pair(*qwen3, F64), dtype=F64)
+    run_job(write_job(tmp_path, doc), lambda j, tok: engine, Shard(0, 1), progress=False)
+    out = {r["row_id"]: r for r in read_out(tmp_path / "out")}
+    assert all(r["status"] == "ok" for r in out.values()), [r["error"] for r in out.values()]
+    return engine, out
+
+
+def test_per_row_overrides_through_run(tmp_path, qwen3):
+    """sampling_columns give each row its own temperature, top-k, top-p and budget; the job's
+    rows equal the engine decoding each request alone with those settings."""
     prompts = random_prompts([5, 31, 12, 2, 47, 9, 20, 14], seed=8)
     rows = [{"id": f"r{i}", "ids": p, "t": s.get("temperature"), "k": s.get("top_k"), "p": s.get("top_p"),
              "mp": s.get("min_p"), "rp": s.get("repetition_penalty"), "fp": s.get("frequency_penalty"),
              "pp": s.get("presence_penalty"), "m": 8 + 5 * (i % 3)} for i, (p, s) in enumerate(zip(prompts, SETTINGS))]
-    write_jsonl(tmp_path / "p.jsonl", rows)
-    doc = base_job(tokdir, ["p.jsonl"], sampling={"ignore_eos": True},
-                   input={"prompt_column": None, "input_ids_column": "ids", "workers": 0,
-                          "sampling_columns": {"temperature": "t", "top_k": "k", "top_p": "p", "min_p": "mp",
+    engine, out = _run(tmp_path, qwen3, rows, {"temperature": "t", "top_k": "k", "top_p": "p", "min_p": "mp",
                                                "repetition_penalty": "rp", "frequency_penalty": "fp",
-                                               "presence_penalty": "pp", "max_new_tokens": "m"}},
-                   engine={"max_num_seqs": 8, "compile": False}, output={"include_token_ids": True})
-    doc["model"].update(drafter=str(drafter), dtype="float64")
-    job = write_job(tmp_path, doc)
-    # the tokenizer holds 261 ids, the tiny model 8: prompts come as ids, and the engine is
-    # built here rather than by build_engine (which would refuse the pairing)
-    engine = Engine(*load_pair(*qwen3, F64), dtype=F64)
-    run_job(job, lambda j, tok: engine, Shard(0, 1), progress=False)
-    out = {r["row_id"]: r for r in read_out(tmp_path / "out")}
-    assert all(r["status"] == "ok" for r in out.values()), [r["error"] for r in out.values()]
+                                               "presence_penalty": "pp", "max_new_tokens": "m"})
     for i, (row, s) in enumerate(zip(rows, SETTINGS)):
         got = out[row["id"]]
         alone = Request((row["id"], 0), row["ids"], SamplingParams(max_new_tokens=row["m"], seed=got["seed"], **s))
         assert got["response_token_ids"] == decoded(engine, [alone], 1)[alone.key][0], row["id"]
+
+
+def test_logprob_columns_through_run(tmp_path, qwen3):
+    """sampling.logprobs for every row, prompt_logprobs for the rows whose column asks: the
+    Parquet list columns hold what the engine computes for the request alone, aligned with
+    response_token_ids and the prompt (null at its first token, and where a row did not ask)."""
+    prompts = random_prompts([5, 31, 12], seed=8)
+    rows = [{"id": f"r{i}", "ids": p, "plp": [None, 2, 0][i]} for i, p in enumerate(prompts)]
+    engine, out = _run(tmp_path, qwen3, rows, {"prompt_logprobs": "plp"},
+                       sampling={"logprobs": 3, "temperature": 0.9, "max_new_tokens": 10})
+    for row in rows:
+        got = out[row["id"]]
+        alone = engine.generate([Request((row["id"], 0), row["ids"], SamplingParams(
+            temperature=0.9, max_new_tokens=10, seed=got["seed"], logprobs=3, prompt_logprobs=row["plp"]))],
+            bucket(max_num_seqs=1))
+        c = next(alone)
+        assert got["response_token_ids"] == c.token_ids
+        assert got["logprobs"] == pytest.approx(c.logprobs.token, abs=1e-6)
+        assert got["top_logprob_ids"] == c.logprobs.top_ids and len(got["top_logprob_ids"][0]) == 3
+        assert np.allclose(got["top_logprobs"], c.logprobs.top, atol=1e-6)
+        if row["plp"] is None:
+            assert got["prompt_logprobs"] is None and got["prompt_top_logprobs"] is None
+        else:
+            assert len(got["prompt_logprobs"]) == len(row["ids"]) and got["prompt_logprobs"][0] is None
+            assert got["prompt_logprobs"][1:] == pytest.approx(c.prompt_logprobs.token[1:], abs=1e-6)
+            assert got["prompt_top_logprob_ids"][1:] == c.prompt_logprobs.top_ids[1:]
+            assert [len(x) for x in got["prompt_top_logprob_ids"][1:]] == [row["plp"]] * (len(row["ids"]) - 1)

@@ -13,16 +13,17 @@ from __future__ import annotations
 import torch
 
 from dflash_batch.engine.sequence import Sequence
-from dflash_batch.limits import MAX_LOGIT_BIAS
+from dflash_batch.limits import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 
 class DecodeBatch:
     def __init__(self, rows: int, block: int, max_pages: int, page_size: int, sequences: int,
-                 device: torch.device | str, stop_width: int = 4, vocab_size: int = 0, penalties: bool = False):
+                 device: torch.device | str, stop_width: int = 4, vocab_size: int = 0, penalties: bool = False,
+                 logprobs: bool = False):
         """`rows` (>= `sequences`, padded up to a capture size); the first `sequences` state slots
         and `sequences * max_pages` pages belong to the rows that can run one; the next slot and
-        page are scratch for padding rows (the engine allocates them). `penalties`: allocate the
-        token counts penalties read now (else at the first row that asks for them)."""
+        page are scratch for padding rows (the engine allocates them). `penalties`, `logprobs`:
+        allocate what they need now (else at the first row that asks for them)."""
         def full(shape, value, dtype=torch.int64):
             return torch.full(shape, value, dtype=dtype, device=device)
 
@@ -48,6 +49,11 @@ class DecodeBatch:
         # only allocated for buckets whose requests use penalties).
         self.counts: torch.Tensor | None = None
         self.in_prompt: torch.Tensor | None = None
+        # A round's logprobs, per verify row: the chosen token's and the top ones (all rows'
+        # distributions are scored once any row asks; the host keeps what each row asked for).
+        self.token_logprob: torch.Tensor | None = None
+        self.top_logprob_ids: torch.Tensor | None = None
+        self.top_logprobs: torch.Tensor | None = None
         self.seed = full((rows, block), 0)
         self.stop_ids = full((rows, stop_width), -1)  # stop token ids (-1: none)
         self.state_slot = full((rows,), sequences)  # recurrent-state slot (hybrid targets)
@@ -55,11 +61,13 @@ class DecodeBatch:
         self.q_index = torch.arange(rows * block, device=device).view(rows, block)
         self.no_rows = full((0,), 0)
         self.vocab_size = vocab_size
-        # Set when the stop ids had to grow or the counts appeared: graphs captured before no
+        # Set when the stop ids had to grow or the counts or logprobs appeared: graphs captured before no
         # longer cover this batch (rounds run eagerly until the engine replaces it at the next bucket).
         self.reshaped = False
         if penalties:
             self._allocate_counts()
+        if logprobs:
+            self._allocate_logprobs()
 
     def put(self, row: int, seq: Sequence) -> None:
         """Start decoding `seq` in `row`: its anchor, position, budget, pages and settings."""
@@ -69,6 +77,9 @@ class DecodeBatch:
             self._grow_stops(len(stops))
         if p.penalized and self.counts is None:
             self._allocate_counts()
+            self.reshaped = True
+        if p.logprobs is not None and self.token_logprob is None:
+            self._allocate_logprobs()
             self.reshaped = True
         host = {self.pos: seq.position, self.budget: p.max_new_tokens - len(seq.tokens),
                 self.temperature: p.temperature, self.top_k: p.top_k, self.top_p: p.top_p, self.min_p: p.min_p,
@@ -113,6 +124,12 @@ class DecodeBatch:
     def _allocate_counts(self) -> None:
         self.counts = torch.zeros((self.rows, self.vocab_size), dtype=torch.int32, device=self.device)
         self.in_prompt = torch.zeros((self.rows, self.vocab_size), dtype=torch.bool, device=self.device)
+
+    def _allocate_logprobs(self) -> None:
+        width = min(MAX_LOGPROBS, self.vocab_size)
+        self.token_logprob = torch.zeros((self.rows, self.block), dtype=torch.float32, device=self.device)
+        self.top_logprob_ids = torch.zeros((self.rows, self.block, width), dtype=torch.int64, device=self.device)
+        self.top_logprobs = torch.zeros((self.rows, self.block, width), dtype=torch.float32, device=self.device)
 
     def _grow_stops(self, width: int) -> None:
         grown = torch.full((self.rows, width), -1, dtype=torch.int64, device=self.device)

@@ -25,9 +25,9 @@ from dflash_batch.backends.torch_attention import TORCH
 from dflash_batch.engine.batch import DecodeBatch
 from dflash_batch.engine.cache import SeqRows, build_meta, row_pages
 from dflash_batch.engine.graphs import RoundGraphs
-from dflash_batch.engine.request import Completion, Request
+from dflash_batch.engine.request import Completion, Logprobs, Request
 from dflash_batch.engine.round import ERROR, Round
-from dflash_batch.engine.sampling import add_bias_, choose_tokens, hold_stops_, penalize_
+from dflash_batch.engine.sampling import add_bias_, choose_tokens, hold_stops_, log_probs, penalize_
 from dflash_batch.engine.sequence import Sequence
 from dflash_batch.plan.buckets import Bucket
 from kernels.accept import STOP
@@ -119,7 +119,8 @@ class Engine:
         self.rounds: dict[int, Round] = {}  # by block size: compiled code is kept across buckets
         self.bucket_state: tuple | None = None  # (shape, caches, batch, round, graphs) of the last bucket
         self.stop_width = 4  # stop ids a row can hold; grows with the requests (batch.py)
-        self.penalties = False  # a request asked for penalties: later buckets allocate their counts
+        # A request asked for penalties or logprobs: later buckets allocate what they need at once.
+        self.penalties = self.logprobs = False
 
     # -- public --------------------------------------------------------------------------------
     def generate(self, requests: Iterable[Request], bucket: Bucket) -> Iterator[Completion]:
@@ -220,8 +221,9 @@ class Engine:
         if self.bucket_state is not None:  # keep the widest stop list seen, and counts: no second regrowth
             self.stop_width = max(self.stop_width, self.bucket_state[2].stop_ids.shape[1])
             self.penalties |= self.bucket_state[2].counts is not None
+            self.logprobs |= self.bucket_state[2].token_logprob is not None
         batch = DecodeBatch(rows, block, pages_per_row, self.page_size, seqs, self.device, self.stop_width,
-                            self.vocab_size, self.penalties)
+                            self.vocab_size, self.penalties, self.logprobs)
         self.log(f"bucket {bucket.name}: {seqs} rows of {pages_per_row * self.page_size} slots, block {block}, "
                  f"KV caches {cache_bytes / 2**20:.1f} MiB")
         if block not in self.rounds:
@@ -261,14 +263,22 @@ class Engine:
         first token (or failed: logits that are not finite)."""
         seqs = [seq for seq, _ in chunks]
         rows = [SeqRows(seq.pages, seq.prefilled, n, seq.prefilled + n) for seq, n in chunks]
-        ids, last_rows, finishing, row = [], [], [], 0
+        # Logits are computed for the last prompt row (the first token) and, where prompt
+        # logprobs are asked for, for every row of the chunk: `scored[i]` lists seqs[i]'s.
+        ids, logit_rows, scored, finishing, row = [], [], [], [], 0
         for seq, r in zip(seqs, rows):
             ids += seq.prompt[r.start:r.start + r.count]
+            done = r.start + r.count == len(seq.prompt)
+            if seq.prompt_logprobs is not None:
+                wanted = range(row, row + r.count)
+            else:
+                wanted = range(row + r.count - 1, row + r.count) if done else range(0)
+            scored.append(range(len(logit_rows), len(logit_rows) + len(wanted)))
+            logit_rows += wanted
             row += r.count
-            if r.start + r.count == len(seq.prompt):
-                last_rows.append(row - 1)
+            if done:
                 finishing.append(seq)
-        meta = build_meta(rows, self.page_size, last_rows, self.device, [s.row for s in seqs],
+        meta = build_meta(rows, self.page_size, logit_rows, self.device, [s.row for s in seqs],
                           backend=self.attention, name="prefill")
         self.attention.plan(meta)
         logits, taps = self.target(torch.tensor(ids, dtype=torch.int64, device=self.device), meta)
@@ -276,18 +286,37 @@ class Engine:
             self.drafter.write_context(taps, meta)
         for seq, r in zip(seqs, rows):  # only now: a step that raised leaves nothing half-counted
             seq.prefilled += r.count
+        scores = None
+        if any(s.prompt_logprobs is not None or (s.logprobs is not None and s in finishing) for s in seqs):
+            temperature = [s.params.temperature for s, r in zip(seqs, scored) for _ in r]
+            scores = log_probs(logits, torch.tensor(temperature, device=self.device))
+            for seq, r, here in zip(seqs, rows, scored):
+                if seq.prompt_logprobs is not None:  # row i scores prompt token i + 1
+                    nexts = seq.prompt[r.start + 1:r.start + r.count + 1]
+                    for i, t in zip(here, nexts):
+                        self._score(seq.prompt_logprobs, scores[i], t, seq.params.prompt_logprobs)
         if not finishing:
             return []
-        finite = torch.isfinite(logits).all(-1).tolist()
-        for seq, t, ok in zip(finishing, self._first_tokens(logits, finishing).tolist(), finite):
+        last = [here[-1] for seq, here in zip(seqs, scored) if seq in finishing]
+        first = logits[last]
+        finite = torch.isfinite(first).all(-1).tolist()
+        for seq, i, t, ok in zip(finishing, last, self._first_tokens(first, finishing).tolist(), finite):
             if not ok:
                 seq.fail("non_finite_logits", f"the target's logits after the prompt ({len(seq.prompt)} "
                                               "tokens) are not finite")
                 continue
             seq.t_first = time.monotonic()
             seq.append([t])
+            if seq.logprobs is not None:
+                self._score(seq.logprobs, scores[i], t, seq.params.logprobs)
             seq.check_stop_strings(self.decode, 1)
         return finishing
+
+    @staticmethod
+    def _score(into: Logprobs, scores: torch.Tensor, token: int, k: int) -> None:
+        """Record one token's logprob and the top k of its position's scores."""
+        top = scores.topk(min(k, scores.shape[-1]))
+        into.add(float(scores[token]), top.indices.tolist(), top.values.tolist())
 
     def _first_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """The token after each prompt (its coin: the position it takes, the prompt's length)."""
@@ -344,7 +373,12 @@ class Engine:
             graphs.replay(size, greedy)
         else:
             step(batch, size, greedy, max(positions) + block)
+        scored = any(s is not None and s.logprobs is not None for s in running[:n])
+        if scored:
+            logprobs = zip(batch.token_logprob[:n].tolist(), batch.top_logprob_ids[:n].tolist(),
+                           batch.top_logprobs[:n].tolist())
         for seq, row in zip(running[:n], batch.out[:n].tolist()):
+            lps = next(logprobs) if scored else None
             if seq is None:
                 continue
             if row[block + 1] == ERROR:
@@ -353,6 +387,10 @@ class Engine:
                 continue
             before, kept = len(seq.tokens), row[block]
             seq.tokens += row[:kept]
+            if seq.logprobs is not None:
+                k = seq.params.logprobs
+                for token, ids, top in list(zip(*lps))[:kept]:
+                    seq.logprobs.add(token, ids[:k], top[:k])
             if row[block + 1]:
                 seq.finish_reason = "stop" if row[block + 1] == STOP else "length"
                 seq.stop_reason = str(seq.tokens[-1]) if row[block + 1] == STOP else None

@@ -30,6 +30,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0        # engine/sampling.py's penalize_ defines the three
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    logprobs: int | None = None            # top logprobs per generated token (None: none, 0: its own only)
+    prompt_logprobs: int | None = None     # the same for each prompt token after the first
 
     @property
     def penalized(self) -> bool:
@@ -39,6 +41,25 @@ class SamplingParams:
     def plain_greedy(self) -> bool:
         """The argmax of the target's own logits: no sampling, no bias, penalty or held stop ids."""
         return self.temperature <= 0 and not self.min_tokens and not self.logit_bias and not self.penalized
+
+
+@dataclass(slots=True)
+class Logprobs:
+    """Per token: its logprob and the top-k (id, logprob) of the target's distribution at its
+    position, log_softmax(logits / temperature) (temperature 0 counts as 1), before logit bias,
+    penalties and filters."""
+
+    token: list[float | None] = field(default_factory=list)
+    top_ids: list[list[int] | None] = field(default_factory=list)
+    top: list[list[float] | None] = field(default_factory=list)
+
+    def add(self, token: float | None, top_ids: list[int] | None, top: list[float] | None) -> None:
+        self.token.append(token)
+        self.top_ids.append(top_ids)
+        self.top.append(top)
+
+    def cut(self, n: int) -> Logprobs:
+        return Logprobs(self.token[:n], self.top_ids[:n], self.top[:n])
 
 
 @dataclass(slots=True)
@@ -85,6 +106,8 @@ class Completion:
     latency_s: float               # admission -> finished
     error_type: str | None = None  # why this request failed (finish_reason "error"); others go on
     error: str | None = None
+    logprobs: Logprobs | None = None         # one per generated token (sampling.logprobs)
+    prompt_logprobs: Logprobs | None = None  # one per prompt token, None at the first
 
 
 class Engine(Protocol):

@@ -30,7 +30,7 @@ import torch
 
 from dflash_batch.backends.meta import AttentionBackend, AttnMeta
 from dflash_batch.engine.batch import DecodeBatch
-from dflash_batch.engine.sampling import add_bias_, choose_tokens, hold_stops_, penalize_
+from dflash_batch.engine.sampling import add_bias_, choose_tokens, hold_stops_, log_probs, penalize_
 from kernels.sample import top1
 
 ERROR = 3  # a finished code beside kernels.accept's STOP and LENGTH: the logits were not finite
@@ -76,6 +76,11 @@ class Round:
         # A row whose logits are not finite fails alone (its sequence becomes an error row);
         # checked before held stop ids are set to -inf.
         finite = torch.isfinite(logits).all(-1).view(n, B).all(-1)
+        if b.token_logprob is not None:  # scored before any logit edit below
+            scores = log_probs(logits, b.temperature[:n].reshape(-1))
+            top = scores.topk(b.top_logprobs.shape[-1], dim=-1)
+            b.top_logprobs[:n] = top.values.view(n, B, -1)
+            b.top_logprob_ids[:n] = top.indices.view(n, B, -1)
         if greedy:  # no row samples, biases or holds its stop ids (engine.py decides)
             chosen = top1(logits)
         else:
@@ -91,6 +96,8 @@ class Round:
             chosen = choose_tokens(logits, b.temperature[:n].reshape(-1), b.top_k[:n].reshape(-1),
                                    b.top_p[:n].reshape(-1), b.seed[:n].reshape(-1), positions + 1,
                                    self.ops.sample, b.min_p[:n].reshape(-1))
+        if b.token_logprob is not None:
+            b.token_logprob[:n] = scores.gather(-1, chosen[:, None]).view(n, B)
         accepted = self.ops.accept(ids, chosen.view(n, B), b.pos[:n], b.budget[:n], b.stop_ids[:n], b.out[:n])
         b.out[:n, B + 1] = torch.where(finite, b.out[:n, B + 1], ERROR)
         if b.counts is not None:  # what the rows emitted is generated now

@@ -45,6 +45,12 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     return torch.softmax(filter_logits(logits, temperature, top_k, top_p, min_p), dim=-1)
 
 
+def log_probs(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """What `logprobs` report: log_softmax(logits / temperature) per row, temperature 0 read as 1
+    (the target's own distribution, before bias, penalties and filters)."""
+    return torch.log_softmax(wide(logits) / torch.where(temperature > 0, temperature, 1.0)[:, None], dim=-1)
+
+
 def add_bias_(logits: torch.Tensor, ids: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """Add each row's biases to `logits` in place. ids [N, L] (-1: none; ids past the vocabulary
     are ignored), bias [N, L]. Touches N x L entries, no host sync (graph-safe)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from dflash_batch.engine.request import Completion, Request, SpecCounters
+from dflash_batch.engine.request import Completion, Logprobs, Request, SpecCounters
 
 
 class Sequence:
@@ -17,6 +17,10 @@ class Sequence:
         self.prefilled = 0                 # prompt tokens whose target K/V is written
         self.tokens: list[int] = []        # generated tokens; the last one is the next anchor
         self.spec = SpecCounters(block_size) if block_size > 1 else None
+        self.logprobs = Logprobs() if self.params.logprobs is not None else None
+        self.prompt_logprobs = Logprobs() if self.params.prompt_logprobs is not None else None
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs.add(None, None, None)  # nothing predicts the first prompt token
         self.finish_reason: str | None = None
         self.stop_reason: str | None = None
         self.text: str | None = None       # set when a stop string cut the output
@@ -68,7 +72,11 @@ class Sequence:
         if self.text is None:
             ends_on_stop_token = self.finish_reason == "stop"
             self.text = decode(self.tokens[:-1] if ends_on_stop_token else self.tokens)
+        ok = self.finish_reason != "error"
         return Completion(key=self.request.key, token_ids=self.tokens, text=self.text,
                           finish_reason=self.finish_reason, stop_reason=self.stop_reason, spec=self.spec,
                           ttft_s=(self.t_first or now) - self.t_admit, latency_s=now - self.t_admit,
-                          error_type=self.error_type, error=self.error)
+                          error_type=self.error_type, error=self.error,
+                          # a stop string may have cut tokens the round had scored
+                          logprobs=self.logprobs.cut(len(self.tokens)) if ok and self.logprobs else None,
+                          prompt_logprobs=self.prompt_logprobs if ok else None)

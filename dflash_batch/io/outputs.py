@@ -51,6 +51,16 @@ OPTIONAL_COLUMNS: dict[str, tuple[pa.DataType, str]] = {
     "rendered_prompt": (pa.string(), "the prompt text after the chat template (output.include_prompt)"),
     "reasoning": (pa.string(), "the thinking before the answer, null if the model did not think "
                   "(output.split_reasoning)"),
+    # sampling.logprobs: one entry per generated token (response_token_ids' order)
+    "logprobs": (pa.list_(pa.float32()), "each generated token's logprob (sampling.logprobs)"),
+    "top_logprob_ids": (pa.list_(pa.list_(pa.int32())), "per generated token, the top-K token ids at its "
+                        "position, most likely first"),
+    "top_logprobs": (pa.list_(pa.list_(pa.float32())), "their logprobs"),
+    # sampling.prompt_logprobs: one entry per prompt token, null at the first
+    "prompt_logprobs": (pa.list_(pa.float32()), "each prompt token's logprob given the tokens before it "
+                        "(sampling.prompt_logprobs)"),
+    "prompt_top_logprob_ids": (pa.list_(pa.list_(pa.int32())), "per prompt token, the top-K token ids"),
+    "prompt_top_logprobs": (pa.list_(pa.list_(pa.float32())), "their logprobs"),
 }
 RESERVED = {c[0] for c in COLUMNS} | set(OPTIONAL_COLUMNS)
 OUTPUT_TYPES = {name: typ for name, typ, _, _ in COLUMNS}
