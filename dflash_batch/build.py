@@ -171,5 +171,5 @@ def build_engine(job: Job, tokenizer: Tokenizer, setup: EngineSetup | None = Non
     return Engine(target, drafter, tokenizer.decode, page_size=job.engine.page_size,
                   max_num_batched_tokens=job.engine.max_num_batched_tokens, dtype=dtype, device=setup.device,
                   attention=_attention(setup), capture_sizes=setup.capture_sizes, cuda_graphs=setup.cuda_graphs,
-                  compile=setup.compile, log=say)
+                  compile=setup.compile, share_prompts=job.engine.share_prompts, log=say)
 

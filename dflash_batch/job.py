@@ -88,6 +88,9 @@ class EngineSpec(_Strict):
     max_num_seqs: int = Field(64, ge=1, description="Sequences decoded together (default for buckets).")
     max_num_batched_tokens: int = Field(8192, ge=16, description="Tokens per forward (chunked prefill "
                                         "budget).")
+    share_prompts: bool = Field(True, description="Samples with the same prompt admitted together (a row's n) "
+                                "prefill it once: the others copy its caches and state and draw their own "
+                                "first token from its logits.")
     backend: Literal["auto", "torch", "flashinfer"] = Field(
         "auto", description="Attention backend. auto: flashinfer on a CUDA host that has it, for GQA "
         "models; else torch (torch: the CPU reference path, even on a CUDA host).")
@@ -241,7 +244,7 @@ class Job(_Strict):
 
 # Settings that decide how fast outputs are made, never what they are.
 TUNING: dict[str, set[str]] = {
-    "engine": {"max_num_seqs", "max_num_batched_tokens", "backend", "cuda_graphs", "compile",
+    "engine": {"max_num_seqs", "max_num_batched_tokens", "share_prompts", "backend", "cuda_graphs", "compile",
                "cudagraph_capture_sizes"},
     "input": {"workers"},
     "output": {"dir", "rows_per_part", "flush_seconds"},

@@ -29,6 +29,7 @@ class DecodeBatch:
 
         self.rows, self.block, self.page_size, self.device = rows, block, page_size, device
         self.scratch_state, self.scratch_page = sequences, sequences * max_pages
+        self.num_slots = (self.scratch_page + 1) * page_size  # cache slots: the rows' pages and scratch
         # What backends that plan on the host read: each row's pages.
         self.host_tables: list[list[int]] = [[] for _ in range(rows)]
         self.ids = full((rows, block), 0)             # [anchor, d_1..d_{B-1}] of the next verify

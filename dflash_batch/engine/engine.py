@@ -54,9 +54,31 @@ class _Queue:
         self.min_prefill = min(prefill_budget, 16)
         self.suspects: set = set()  # keys of requests that start over one at a time
         self.exhausted = False
+        self.leaders: dict[tuple[int, ...], Sequence] = {}  # prompt -> the sequence prefilling it
+        self.decoding: dict[tuple[int, ...], list[Sequence]] = {}  # prompt -> sequences decoding
 
     def active(self) -> int:
-        return len(self.prefilling) + sum(s is not None for s in self.running)
+        waiting = sum(len(s.followers) for s in self.prefilling)
+        return len(self.prefilling) + waiting + sum(s is not None for s in self.running)
+
+    def start(self, seq: Sequence, share: bool) -> Sequence | None:
+        """Prefill `seq`, or (sharing) let it follow a sequence prefilling the same prompt. If one
+        is decoding instead, it is returned: its prompt's cache slots are intact, and `seq` may
+        copy all but the last (whose logits it needs) rather than prefill them."""
+        key = tuple(seq.prompt)
+        same = (lambda s: s.params.prompt_logprobs == seq.params.prompt_logprobs) if share else (lambda s: False)
+        leader = self.leaders.get(key)
+        if leader is not None and same(leader):
+            leader.followers.append(seq)
+            return None
+        self.prefilling.append(seq)
+        self.leaders.setdefault(key, seq)
+        return next((s for s in self.decoding.get(key, ()) if same(s)), None)
+
+    def decode(self, seq: Sequence, batch: DecodeBatch) -> None:
+        batch.put(seq.row, seq)
+        self.running[seq.row] = seq
+        self.decoding.setdefault(tuple(seq.prompt), []).append(seq)
 
     def room(self) -> bool:
         limit = 1 if self.suspects else self.limit
@@ -73,6 +95,13 @@ class _Queue:
         """Take a sequence out of prefill or decode (its row is freed by `release`)."""
         if seq in self.prefilling:
             self.prefilling.remove(seq)
+        key = tuple(seq.prompt)
+        if self.leaders.get(key) is seq:
+            del self.leaders[key]
+        if seq in self.decoding.get(key, ()):
+            self.decoding[key].remove(seq)
+            if not self.decoding[key]:
+                del self.decoding[key]
         if self.running[seq.row] is seq:
             self.running[seq.row] = None
             batch.clear(seq.row)
@@ -101,7 +130,7 @@ class Engine:
                  max_num_batched_tokens: int = 8192, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", attention: AttentionBackend = TORCH,
                  capture_sizes: list[int] | None = None, cuda_graphs: bool = False, compile: bool = False,
-                 log: Callable[[str], None] | None = None):
+                 share_prompts: bool = True, log: Callable[[str], None] | None = None):
         self.target, self.drafter = target, drafter
         self.vocab_size: int = target.vocab_size
         # Hybrid targets (KDA) keep per-sequence recurrent state that verify stages and commit picks.
@@ -114,7 +143,8 @@ class Engine:
         self.capture_sizes = sorted(capture_sizes) if capture_sizes else None
         if cuda_graphs and not capture_sizes:
             raise ValueError("cuda_graphs needs capture_sizes")
-        self.cuda_graphs, self.compile = cuda_graphs, compile
+        self.cuda_graphs, self.compile, self.share_prompts = cuda_graphs, compile, share_prompts
+        self.prefill_tokens = 0  # prompt tokens the target has run (a shared prompt counts once)
         self.log = log or (lambda line: None)
         self.rounds: dict[int, Round] = {}  # by block size: compiled code is kept across buckets
         self.bucket_state: tuple | None = None  # (shape, caches, batch, round, graphs) of the last bucket
@@ -138,6 +168,8 @@ class Engine:
             batch, step, graphs = self._allocate(bucket, block, pages_per_row, models)
             self.bucket_state = (shape, runtime_tensors(models), batch, step, graphs)
         _, _, batch, step, graphs = self.bucket_state
+        # The caches indexed by slot (K/V, latents): what a sequence sharing a prompt copies.
+        caches = [t for t in runtime_tensors(models) if t.shape[0] == batch.num_slots]
         batch.clear_all()  # a previous generate that was closed early may have left rows
         q = _Queue(requests, seqs, self.budget)
         # inference_mode dispatches small ops faster; torch.compile wants plain no_grad tensors.
@@ -149,7 +181,10 @@ class Engine:
                         break
                     if self.recurrent:
                         self.target.reset_state(row)  # the row's slot still holds its last sequence's state
-                    q.prefilling.append(Sequence(req, row_pages(row, pages_per_row), block, row))
+                    seq = Sequence(req, row_pages(row, pages_per_row), block, row)
+                    source = q.start(seq, self.share_prompts)
+                    if source is not None and not self.recurrent:  # (a recurrent state has moved on)
+                        self._copy_prompt(source, [seq], len(seq.prompt) - 1, caches)
                 if q.prefilling:
                     chunks = self._prefill_chunk(q.prefilling, q.prefill_budget)
                     involved = [seq for seq, _ in chunks]
@@ -159,17 +194,17 @@ class Engine:
                         return
                 try:
                     if q.prefilling:
-                        finished = self._prefill(chunks, block)
+                        finished = self._prefill(chunks, block, caches)
                         for seq in finished:
-                            q.prefilling.remove(seq)
+                            q.forget(seq, batch)
                         for seq in (s for s in finished if not s.finish_reason):
-                            batch.put(seq.row, seq)
-                            q.running[seq.row] = seq
+                            q.decode(seq, batch)
                         finished = [s for s in finished if s.finish_reason]
                     else:
                         self._round(batch, q.running, step, graphs, block)
                         finished = [s for s in involved if s.finish_reason]
                 except Exception as error:  # noqa: BLE001 - any failure: decide what it costs
+                    involved += [f for s in involved for f in s.followers]  # they wait on it
                     finished = self._recover(error, involved, q, batch, bucket)
                 for seq in finished:
                     q.release(seq, batch)
@@ -258,14 +293,14 @@ class Engine:
                 left -= n
         return chosen
 
-    def _prefill(self, chunks: list[tuple[Sequence, int]], block: int) -> list[Sequence]:
+    def _prefill(self, chunks: list[tuple[Sequence, int]], block: int, caches: list[torch.Tensor]) -> list[Sequence]:
         """Run these prompt chunks; returns the sequences whose prompt is complete, each with its
-        first token (or failed: logits that are not finite)."""
+        first token (or failed: logits that are not finite), their followers among them."""
         seqs = [seq for seq, _ in chunks]
         rows = [SeqRows(seq.pages, seq.prefilled, n, seq.prefilled + n) for seq, n in chunks]
         # Logits are computed for the last prompt row (the first token) and, where prompt
         # logprobs are asked for, for every row of the chunk: `scored[i]` lists seqs[i]'s.
-        ids, logit_rows, scored, finishing, row = [], [], [], [], 0
+        ids, logit_rows, scored, row = [], [], [], 0
         for seq, r in zip(seqs, rows):
             ids += seq.prompt[r.start:r.start + r.count]
             done = r.start + r.count == len(seq.prompt)
@@ -276,8 +311,6 @@ class Engine:
             scored.append(range(len(logit_rows), len(logit_rows) + len(wanted)))
             logit_rows += wanted
             row += r.count
-            if done:
-                finishing.append(seq)
         meta = build_meta(rows, self.page_size, logit_rows, self.device, [s.row for s in seqs],
                           backend=self.attention, name="prefill")
         self.attention.plan(meta)
@@ -286,8 +319,8 @@ class Engine:
             self.drafter.write_context(taps, meta)
         for seq, r in zip(seqs, rows):  # only now: a step that raised leaves nothing half-counted
             seq.prefilled += r.count
-        scores = None
-        if any(s.prompt_logprobs is not None or (s.logprobs is not None and s in finishing) for s in seqs):
+        self.prefill_tokens += len(ids)
+        if any(s.prompt_logprobs is not None for s in seqs):
             temperature = [s.params.temperature for s, r in zip(seqs, scored) for _ in r]
             scores = log_probs(logits, torch.tensor(temperature, device=self.device))
             for seq, r, here in zip(seqs, rows, scored):
@@ -295,12 +328,20 @@ class Engine:
                     nexts = seq.prompt[r.start + 1:r.start + r.count + 1]
                     for i, t in zip(here, nexts):
                         self._score(seq.prompt_logprobs, scores[i], t, seq.params.prompt_logprobs)
+        finishing, last = [], []  # with the logits row each one's first token comes from
+        for seq, here in zip(seqs, scored):
+            if seq.prefilled == len(seq.prompt):
+                for s in (seq, *self._fork(seq, caches)):
+                    finishing.append(s)
+                    last.append(here[-1])
         if not finishing:
             return []
-        last = [here[-1] for seq, here in zip(seqs, scored) if seq in finishing]
         first = logits[last]
         finite = torch.isfinite(first).all(-1).tolist()
-        for seq, i, t, ok in zip(finishing, last, self._first_tokens(first, finishing).tolist(), finite):
+        scores = None
+        if any(s.logprobs is not None for s in finishing):  # before _first_tokens edits `first`
+            scores = log_probs(first, torch.tensor([s.params.temperature for s in finishing], device=self.device))
+        for i, (seq, t, ok) in enumerate(zip(finishing, self._first_tokens(first, finishing).tolist(), finite)):
             if not ok:
                 seq.fail("non_finite_logits", f"the target's logits after the prompt ({len(seq.prompt)} "
                                               "tokens) are not finite")
@@ -311,6 +352,31 @@ class Engine:
                 self._score(seq.logprobs, scores[i], t, seq.params.logprobs)
             seq.check_stop_strings(self.decode, 1)
         return finishing
+
+    def _fork(self, leader: Sequence, caches: list[torch.Tensor]) -> list[Sequence]:
+        """The followers of a prefilled prompt start where it ends, with its recurrent state."""
+        followers, leader.followers = leader.followers, []
+        self._copy_prompt(leader, followers, len(leader.prompt), caches)
+        for seq in followers:
+            if self.recurrent:
+                self.target.copy_state(leader.row, seq.row)
+        return followers
+
+    def _copy_prompt(self, source: Sequence, seqs: list[Sequence], n: int, caches: list[torch.Tensor]) -> None:
+        """`seqs` (the same prompt as `source`) take its first n prompt positions' cache slots (the
+        target's and the drafter's context) as prefilled, and its prompt logprobs (the same K)."""
+        def slots(seq: Sequence) -> torch.Tensor:
+            return torch.tensor([seq.pages[p // self.page_size] * self.page_size + p % self.page_size
+                                 for p in range(n)], dtype=torch.int64, device=self.device)
+
+        src = slots(source)
+        for seq in seqs:
+            dst = slots(seq)
+            for cache in caches:
+                cache[dst] = cache[src]
+            seq.prefilled = n
+            if seq.prompt_logprobs is not None:  # the source's are complete: its prefill is done
+                seq.prompt_logprobs = source.prompt_logprobs.cut(len(seq.prompt))
 
     @staticmethod
     def _score(into: Logprobs, scores: torch.Tensor, token: int, k: int) -> None:

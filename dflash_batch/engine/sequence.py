@@ -26,6 +26,8 @@ class Sequence:
         self.text: str | None = None       # set when a stop string cut the output
         self.error_type: str | None = None
         self.error: str | None = None
+        # Sequences with the same prompt that wait for this one's prefill and copy it (engine.py).
+        self.followers: list[Sequence] = []
         self.t_admit = time.monotonic()
         self.t_first: float | None = None
 

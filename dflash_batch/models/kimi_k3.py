@@ -339,6 +339,13 @@ class KimiK3ForConditionalGeneration(nn.Module):
                 layer.self_attn.conv_state[slot] = 0
                 layer.self_attn.state[slot] = 0
 
+    def copy_state(self, src: int, dst: int) -> None:
+        """Start sequence slot `dst` from slot `src`'s recurrent state (a prompt prefilled once)."""
+        for layer in self.model.layers:
+            if layer.is_kda:
+                layer.self_attn.conv_state[dst] = layer.self_attn.conv_state[src]
+                layer.self_attn.state[dst] = layer.self_attn.state[src]
+
     def commit(self, state_ids: torch.Tensor, kept: torch.Tensor) -> None:
         for layer in self.model.layers:
             if layer.is_kda:

@@ -1,0 +1,93 @@
+"""Prefix sharing: n = 8 samples of 2k-token prompts, prefilled once per prompt vs once per sample.
+
+The demo pair (jobs/demo/models) decodes --prompts distinct prompts of --length tokens (word
+problems joined into one long user message), n samples each at temperature 1.0, with
+engine.share_prompts off and on, side by side in one process (medians over --repeats), at
+max_num_seqs = n (a prompt's later samples enter as rows free up) and = prompts x n (all at
+once). Prints prompt tokens the target ran, wall time, and whether the outputs agree.
+
+usage: python benchmarks/prefix_sharing.py [--prompts 4] [--n 8] [--length 2048] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from dflash_batch.engine.engine import Engine  # noqa: E402
+from dflash_batch.engine.pair import attach_drafter  # noqa: E402
+from dflash_batch.engine.request import Request, SamplingParams  # noqa: E402
+from dflash_batch.models.loader import load_model  # noqa: E402
+from dflash_batch.plan.buckets import Bucket  # noqa: E402
+from dflash_batch.plan.tokenize import Tokenizer  # noqa: E402
+
+
+def long_prompts(tok: Tokenizer, count: int, length: int) -> list[list[int]]:
+    """`count` distinct chat prompts of about `length` tokens: the demo's word problems, from a
+    different starting problem each, joined into one user message and cut to `length` tokens."""
+    rows = [json.loads(line) for line in (ROOT / "jobs/demo/prompts.jsonl").read_text().splitlines()]
+    problems = [m["content"] for r in rows for m in r["messages"] if m["role"] == "user"]
+    prompts = []
+    for i in range(count):
+        text = "\n\n".join(problems[(i + j) % len(problems)] for j in range(len(problems)))
+        ids = tok.encode_batch([tok.render_chat([{"role": "user", "content": text * 4}], {})],
+                               add_special_tokens=False)[0]
+        assert len(ids) >= length, f"only {len(ids)} tokens"
+        prompts.append(ids[:length])
+    return prompts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", type=Path, default=ROOT / "jobs/demo/models")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--length", type=int, default=2048)
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    target, drafter = load_model(args.models / "target"), load_model(args.models / "drafter")
+    attach_drafter(target, drafter)
+    tok = Tokenizer(args.models / "target")
+    prompts = long_prompts(tok, args.prompts, args.length)
+    reqs = [Request((str(i), j), p, SamplingParams(temperature=1.0, max_new_tokens=args.new, seed=100 * i + j))
+            for i, p in enumerate(prompts) for j in range(args.n)]
+    engines = {share: Engine(target, drafter, tok.decode, share_prompts=share) for share in (False, True)}
+    print(f"{args.prompts} prompts x {args.length} tokens, n = {args.n}, {args.new} new tokens each, "
+          f"demo pair, {args.threads} threads, median of {args.repeats}")
+    print("| max_num_seqs | share_prompts | prompt tokens run | wall s | generated tok/s | off/on | same outputs |")
+    print("|---|---|---|---|---|---|---|")
+    for rows in (args.n, args.n * args.prompts):
+        bucket = Bucket(0, "0-4096", args.length + args.new + 64, rows, True, None)
+        seconds, ran, outputs = {s: [] for s in engines}, {}, {}
+        for _ in range(args.repeats):
+            for share, engine in engines.items():  # interleaved: the machine's drift hits both alike
+                before, t0 = engine.prefill_tokens, time.perf_counter()
+                done = list(engine.generate(iter(reqs), bucket))
+                seconds[share].append(time.perf_counter() - t0)
+                ran[share] = engine.prefill_tokens - before
+                outputs[share] = {c.key: c.token_ids for c in done}
+        # float32: a follower's first logits come from a batch of other neighbours, so a near-tie
+        # may resolve apart
+        same = sum(outputs[True][k] == outputs[False][k] for k in outputs[False])
+        ratio = statistics.median(seconds[False]) / statistics.median(seconds[True])
+        for share in engines:
+            sec = statistics.median(seconds[share])
+            tokens = sum(map(len, outputs[share].values()))
+            print(f"| {rows} | {'on' if share else 'off'} | {ran[share]} | {sec:.2f} | {tokens / sec:.0f} | "
+                  f"{f'{ratio:.2f}x' if share else ''} | {f'{same}/{len(outputs[False])}' if share else ''} |")
+
+
+if __name__ == "__main__":
+    main()
