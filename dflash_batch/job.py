@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from dflash_batch.limits import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 MAX_CONTEXT = 131072
+GRAMMAR_FIELDS = ("json_schema", "regex", "choice")  # structured output: at most one per sample
 
 
 class _Strict(BaseModel):
@@ -140,6 +141,12 @@ class SamplingSpec(_Strict):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="The same for every prompt "
                                         "token after the first (needs the prompt's logits: prefill then costs "
                                         "a vocabulary-wide row per prompt token).")
+    json_schema: dict[str, Any] | str | None = Field(None, description="Structured output: every sample "
+                                                     "is JSON valid under this schema (compact, no free "
+                                                     "whitespace), through xgrammar.")
+    regex: str | None = Field(None, description="Structured output: every sample matches this regex.")
+    choice: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        None, min_length=1, description="Structured output: every sample is one of these strings.")
     stop: list[str] = Field(default_factory=list, description="Stop strings (matched on decoded text; "
                             "the output is cut before the match).")
     stop_token_ids: list[int] = Field(default_factory=list)
@@ -159,6 +166,16 @@ class SamplingSpec(_Strict):
         if bad:
             raise ValueError(f"token ids must be >= 0 and biases in [-100, 100]: {bad[:5]}")
         return v
+
+    @model_validator(mode="after")
+    def _one_grammar(self) -> SamplingSpec:
+        given = [f for f in GRAMMAR_FIELDS if getattr(self, f) is not None]
+        if len(given) > 1:
+            raise ValueError(f"at most one of json_schema, regex and choice; got {given}")
+        if given and self.ignore_eos and not self.stop_token_ids:
+            raise ValueError(f"{given[0]} needs a stop token to end on: ignore_eos leaves none "
+                             "(give stop_token_ids)")
+        return self
 
     @field_validator("stop")
     @classmethod

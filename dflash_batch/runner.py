@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from dflash_batch import __version__, parallel
 from dflash_batch.engine.request import Completion, Engine, Request, SamplingParams
+from dflash_batch.grammar import Grammars, asks_for_grammar
 from dflash_batch.io.inputs import check_inputs
 from dflash_batch.io.ledger import (check_run, committed_keys, lock_run, shard_dir, shard_lock,
                                    write_shard_stats)
@@ -77,6 +78,7 @@ class _Run:
         self.stop = threading.Event()
         self.tensor_parallel = parallel.world_size() > 1
         self.default_params = self._params(job.sampling)
+        self.grammars = Grammars(tokenizer, engine.vocab_size, list(self.eos)) if asks_for_grammar(job) else None
 
     # -- rows ----------------------------------------------------------------------------------
     def _base_row(self, row: PreparedRow, sample_index: int, seed: int | None = None) -> dict:
@@ -135,13 +137,24 @@ class _Run:
     def _requests(self, row: PreparedRow) -> list[Request]:
         s = row.sampling
         base = self._params(s) if row.overrides else self.default_params
+        compiled = self.grammars.compile(s) if self.grammars is not None else None  # (checked: _check_grammar)
+        grammar = self.grammars.matcher(compiled, base.stop_token_ids) if compiled is not None else None
         reqs = []
         for i in range(s.n):
             if (row.row_id, i) in self.done:
                 continue
             params = dataclasses.replace(base, seed=sample_seed(s.seed, row.row_id, i))
-            reqs.append(Request((row.row_id, i), row.prompt_ids, params))
+            reqs.append(Request((row.row_id, i), row.prompt_ids, params, grammar))
         return reqs
+
+    def _check_grammar(self, row: PreparedRow) -> None:
+        """A row's grammar must compile and have a stop token to end on, or the row fails."""
+        try:
+            if self.grammars.compile(row.sampling) is not None and not self._params(row.sampling).stop_token_ids:
+                row.fail("bad_grammar", "structured output needs a stop token to end on: the tokenizer has "
+                                        "no EOS; give sampling.stop_token_ids")
+        except ValueError as e:
+            row.fail("bad_grammar", str(e))
 
     def _commit(self, row: dict) -> None:
         if self.writer is not None:  # tensor-parallel ranks other than 0 decode but do not write
@@ -190,6 +203,8 @@ class _Run:
     def _run_window(self, rows: list[PreparedRow]) -> None:
         by_bucket: dict[int, list[PreparedRow]] = {}
         for row in rows:
+            if self.grammars is not None and not row.error_type:
+                self._check_grammar(row)
             if row.error_type:
                 for i in range(row.sampling.n):
                     if (row.row_id, i) not in self.done:
@@ -238,6 +253,12 @@ def open_tokenizer(job: Job) -> tuple[Tokenizer, Delimiters | None]:
     if job.input.messages_column and tokenizer.chat_template is None:
         raise JobError(f"input.messages_column: the tokenizer of {where} has no chat template; set "
                        "model.chat_template, or give raw text with input.prompt_column")
+    if asks_for_grammar(job):  # xgrammar present, and the job's own grammar compiles
+        try:
+            eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+            Grammars(tokenizer, tokenizer.vocab_size, eos).compile(job.sampling)
+        except ValueError as e:
+            raise JobError(str(e)) from None
     split = job.output.split_reasoning
     return tokenizer, find_delimiters(tokenizer, job.output.reasoning_delimiters, where) if split else None
 

@@ -57,7 +57,7 @@ class EagerEngine(Engine):
                         self.target.reset_state(slot)
                     prefilling.append(Sequence(req, row_pages(slot, pages_per_row), block, slot))
                 if prefilling:
-                    done = self._prefill(self._prefill_chunk(prefilling, self.budget), block)
+                    done = self._prefill(self._prefill_chunk(prefilling, self.budget), block, [])
                     self._draft([s for s in done if not s.finish_reason], block)
                     prefilling = [s for s in prefilling if s not in done]
                     running += done

@@ -55,6 +55,11 @@ class DecodeBatch:
         self.token_logprob: torch.Tensor | None = None
         self.top_logprob_ids: torch.Tensor | None = None
         self.top_logprobs: torch.Tensor | None = None
+        # Structured output: per verify row, the tokens its sample's grammar allows after the
+        # drafts before it (bits, xgrammar's layout; all set for rows without a grammar). The
+        # host fills `grammar_bits` (CPU, as grammar matchers write) between draft and verify.
+        self.grammar_bits: torch.Tensor | None = None
+        self.allowed_bits: torch.Tensor | None = None
         self.seed = full((rows, block), 0)
         self.stop_ids = full((rows, stop_width), -1)  # stop token ids (-1: none)
         self.state_slot = full((rows,), sequences)  # recurrent-state slot (hybrid targets)
@@ -82,6 +87,10 @@ class DecodeBatch:
         if p.logprobs is not None and self.token_logprob is None:
             self._allocate_logprobs()
             self.reshaped = True
+        if seq.matcher is not None and self.grammar_bits is None:
+            width = -(-self.vocab_size // 32)
+            self.grammar_bits = torch.full((self.rows * self.block, width), -1, dtype=torch.int32)
+            self.allowed_bits = self.grammar_bits.to(self.device)
         host = {self.pos: seq.position, self.budget: p.max_new_tokens - len(seq.tokens),
                 self.temperature: p.temperature, self.top_k: p.top_k, self.top_p: p.top_p, self.min_p: p.min_p,
                 self.seed: p.seed, self.state_slot: seq.row,

@@ -27,7 +27,8 @@ from dflash_batch.engine.cache import SeqRows, build_meta, row_pages
 from dflash_batch.engine.graphs import RoundGraphs
 from dflash_batch.engine.request import Completion, Logprobs, Request
 from dflash_batch.engine.round import ERROR, Round
-from dflash_batch.engine.sampling import add_bias_, choose_tokens, hold_stops_, log_probs, penalize_
+from dflash_batch.engine.sampling import (add_bias_, choose_tokens, hold_stops_, log_probs, mask_disallowed_,
+                                          penalize_)
 from dflash_batch.engine.sequence import Sequence
 from dflash_batch.plan.buckets import Bucket
 from kernels.accept import STOP
@@ -348,6 +349,8 @@ class Engine:
                 continue
             seq.t_first = time.monotonic()
             seq.append([t])
+            if seq.matcher is not None:
+                seq.matcher.accept_token(t)
             if seq.logprobs is not None:
                 self._score(seq.logprobs, scores[i], t, seq.params.logprobs)
             seq.check_stop_strings(self.decode, 1)
@@ -387,7 +390,7 @@ class Engine:
     def _first_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """The token after each prompt (its coin: the position it takes, the prompt's length)."""
         params = [s.params for s in seqs]
-        if all(p.plain_greedy for p in params):
+        if all(s.plain_greedy for s in seqs):
             return top1(logits)
 
         def col(values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
@@ -412,6 +415,12 @@ class Engine:
                       col([p.presence_penalty for p in params], torch.float32))
         hold_stops_(logits, table([p.stop_token_ids for p in params], -1, torch.int64),
                     col([p.min_tokens > 0 for p in params], torch.bool))
+        if any(s.matcher is not None for s in seqs):
+            bits = torch.full((len(seqs), -(-logits.shape[-1] // 32)), -1, dtype=torch.int32)
+            for i, seq in enumerate(seqs):
+                if seq.matcher is not None:
+                    seq.matcher.fill_next_token_bitmask(bits, i)
+            mask_disallowed_(logits, bits.to(self.device))
         if all(p.temperature <= 0 for p in params):
             return top1(logits)
 
@@ -426,17 +435,22 @@ class Engine:
         padding); extends each sequence with what it emitted."""
         n = max(i for i, s in enumerate(running) if s is not None) + 1
         size = self._padded(n)
-        greedy = all(s.params.plain_greedy for s in running[:n] if s is not None)
+        greedy = all(s.plain_greedy for s in running[:n] if s is not None)
+        constrained = any(s is not None and s.matcher is not None for s in running[:n])
         positions = [s.position if s is not None else 0 for s in running[:n]]
         # Key lengths for backends that plan on the host (round.py's prepare computes the same
         # on the device); a row without a sequence is padding.
         budgets = [s.params.max_new_tokens - len(s.tokens) if s is not None else 0 for s in running[:n]]
         kv_lens = {"verify": [p + block for p in positions],
                    "draft": [p + min(block, b + 1) for p, b in zip(positions, budgets)]}
-        captured = graphs is not None and graphs.covers(size)
+        captured = graphs is not None and graphs.covers(size) and not constrained
         self.attention.plan_round(batch, size, kv_lens, captured)
         if captured:
             graphs.replay(size, greedy)
+        elif constrained:  # eager, in two halves: the grammars read the drafts in between
+            drafted = step.draft(batch, size, max(positions) + block)
+            self._grammar_masks(batch, running[:n], block)
+            step.verify(batch, size, False, drafted, constrained=True)
         else:
             step(batch, size, greedy, max(positions) + block)
         scored = any(s is not None and s.logprobs is not None for s in running[:n])
@@ -453,6 +467,9 @@ class Engine:
                 continue
             before, kept = len(seq.tokens), row[block]
             seq.tokens += row[:kept]
+            if seq.matcher is not None and not all(map(seq.matcher.accept_token, row[:kept])):
+                seq.fail("grammar_error", f"the grammar refused a token it had allowed at position {seq.position}")
+                continue
             if seq.logprobs is not None:
                 k = seq.params.logprobs
                 for token, ids, top in list(zip(*lps))[:kept]:
@@ -464,3 +481,27 @@ class Engine:
             if seq.spec is not None:
                 # Counted after a stop string's cut too: the round keeps only tokens up to it.
                 seq.spec.per_round.append(len(seq.tokens) - before - 1)
+
+    @staticmethod
+    def _grammar_masks(batch: DecodeBatch, running: list[Sequence | None], block: int) -> None:
+        """Row j of a sequence's verify may take what its grammar allows after the drafts
+        d_1..d_j. Past a draft the grammar refuses (or a finished grammar), rows are left open:
+        the verify cannot accept that draft, so nothing reads them."""
+        bits = batch.grammar_bits
+        bits.fill_(-1)  # padding rows too: a fully masked row would have no distribution
+        drafts = batch.ids[:len(running), 1:].tolist()
+        for i, seq in enumerate(running):
+            if seq is None or seq.matcher is None:
+                continue
+            m, taken = seq.matcher, 0
+            for j in range(block):
+                r = i * block + j
+                m.fill_next_token_bitmask(bits, r)
+                d = drafts[i][j] if j < block - 1 else -1
+                if d < 0 or not (int(bits[r, d // 32]) >> (d % 32)) & 1 or not m.accept_token(d):
+                    break
+                taken += 1
+                if m.is_terminated():
+                    break
+            m.rollback(taken)
+        batch.allowed_bits.copy_(bits)

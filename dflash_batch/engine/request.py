@@ -6,9 +6,9 @@ real one, or a test double) implements `Engine.generate`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from dflash_batch.plan.buckets import Bucket
 
@@ -62,11 +62,25 @@ class Logprobs:
         return Logprobs(self.token[:n], self.top_ids[:n], self.top[:n])
 
 
+class Matcher(Protocol):
+    """A grammar's state along one sample's tokens (xgrammar's GrammarMatcher is one)."""
+
+    def fill_next_token_bitmask(self, bitmask: Any, index: int) -> Any:
+        """Row `index` of an int32 [rows, ceil(vocab / 32)] CPU tensor: bit t set iff token t may come next."""
+
+    def accept_token(self, token_id: int) -> bool: ...
+
+    def rollback(self, num_tokens: int) -> None: ...
+
+    def is_terminated(self) -> bool: ...
+
+
 @dataclass(slots=True)
 class Request:
     key: RequestKey
     prompt_ids: list[int]
     params: SamplingParams
+    grammar: Callable[[], Matcher] | None = None  # structured output: a fresh matcher per attempt
 
 
 @dataclass(slots=True)

@@ -5,6 +5,8 @@
     verify   the target runs [anchor, d_1..d_{B-1}] at positions P..P+B-1 (causal): logits + taps
     choose   t_j = argmax, or the row's seeded sample of the filtered distribution (after the
              row's logit bias, penalties along the drafted path, and held stop ids)
+    (structured output runs draft, lets the host mask each verify row by its grammar's state
+     after the drafts before it, then runs the rest: a draft the grammar refuses is never chosen)
     accept   n = longest prefix with d_{j+1} == t_j; emit t_0..t_n (cut by budget and stop
              tokens); the last emitted token is the next anchor; pos and budget advance
     context  the drafter turns the B rows' taps into context K/V (rows past the accepted ones are
@@ -30,7 +32,8 @@ import torch
 
 from dflash_batch.backends.meta import AttentionBackend, AttnMeta
 from dflash_batch.engine.batch import DecodeBatch
-from dflash_batch.engine.sampling import add_bias_, choose_tokens, hold_stops_, log_probs, penalize_
+from dflash_batch.engine.sampling import (add_bias_, choose_tokens, hold_stops_, log_probs, mask_disallowed_,
+                                          penalize_)
 from kernels.sample import top1
 
 ERROR = 3  # a finished code beside kernels.accept's STOP and LENGTH: the logits were not finite
@@ -56,6 +59,10 @@ class Round:
         self.step(batch, n, greedy, max_kv)
 
     def run(self, batch: DecodeBatch, n: int, greedy: bool, max_kv: int) -> None:
+        self.verify(batch, n, greedy, self.draft(batch, n, max_kv))
+
+    def draft(self, batch: DecodeBatch, n: int, max_kv: int) -> tuple:
+        """prepare + draft: batch.ids[:n, 1:] hold the proposal after it. Returns what verify reads."""
         B, b = self.block, batch
         ids = b.ids[:n]
         draft_ids, positions, slots, draft_kv, verify_kv = self.ops.prepare(
@@ -70,8 +77,15 @@ class Round:
         if self.drafter is not None:
             hidden = self.drafter(draft_ids, meta("draft", draft_kv, logits_rows=b.no_rows), block_size=B)
             ids[:, 1:] = self.drafter.propose(hidden.view(n, B, -1), ids[:, 0])
-        verify = meta("verify", verify_kv, logits_rows=b.q_index[:n].reshape(-1),
-                      state_ids=b.state_slot[:n], stage=self.recurrent)
+        return positions, meta("verify", verify_kv, logits_rows=b.q_index[:n].reshape(-1),
+                               state_ids=b.state_slot[:n], stage=self.recurrent)
+
+    def verify(self, batch: DecodeBatch, n: int, greedy: bool, drafted: tuple, constrained: bool = False) -> None:
+        """verify -> choose -> accept -> context -> commit. `constrained`: mask each verify row's
+        logits with batch.allowed_bits (structured output; the host filled them after draft)."""
+        B, b = self.block, batch
+        ids = b.ids[:n]
+        positions, verify = drafted
         logits, taps = self.target(ids.reshape(-1), verify)
         # A row whose logits are not finite fails alone (its sequence becomes an error row);
         # checked before held stop ids are set to -inf.
@@ -93,6 +107,8 @@ class Round:
                           b.presence[:n])
             held = (positions + 1).view(n, B) < b.min_stop_pos[:n, None]
             hold_stops_(logits, per_verify_row(b.stop_ids), held.reshape(-1))
+            if constrained:
+                mask_disallowed_(logits, b.allowed_bits[:n * B])
             chosen = choose_tokens(logits, b.temperature[:n].reshape(-1), b.top_k[:n].reshape(-1),
                                    b.top_p[:n].reshape(-1), b.seed[:n].reshape(-1), positions + 1,
                                    self.ops.sample, b.min_p[:n].reshape(-1))

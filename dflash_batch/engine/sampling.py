@@ -106,6 +106,14 @@ def penalize_(logits: torch.Tensor, counts: torch.Tensor, prompt: torch.Tensor, 
     return logits
 
 
+def mask_disallowed_(logits: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """Set each row's tokens a grammar does not allow to -inf in place. bits [N, ceil(V / 32)]
+    int32, bit t of a row set iff token t is allowed (xgrammar's bitmask layout)."""
+    shifts = torch.arange(32, device=bits.device, dtype=torch.int32)
+    allowed = ((bits[:, :, None] >> shifts) & 1).bool().view(bits.shape[0], -1)[:, :logits.shape[-1]]
+    return logits.masked_fill_(~allowed, float("-inf"))
+
+
 def choose_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                   seed: torch.Tensor, position: torch.Tensor,
                   sample: Callable[..., torch.Tensor] = sample_torch, min_p: torch.Tensor | None = None

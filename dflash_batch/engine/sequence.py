@@ -17,6 +17,7 @@ class Sequence:
         self.prefilled = 0                 # prompt tokens whose target K/V is written
         self.tokens: list[int] = []        # generated tokens; the last one is the next anchor
         self.spec = SpecCounters(block_size) if block_size > 1 else None
+        self.matcher = request.grammar() if request.grammar is not None else None  # structured output
         self.logprobs = Logprobs() if self.params.logprobs is not None else None
         self.prompt_logprobs = Logprobs() if self.params.prompt_logprobs is not None else None
         if self.prompt_logprobs is not None:
@@ -49,6 +50,11 @@ class Sequence:
         if self.finish_reason is None and len(self.tokens) >= self.params.max_new_tokens:
             self.finish_reason = "length"
         return len(kept)
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Its next token is the argmax of the target's own logits (engine.py's fast path)."""
+        return self.params.plain_greedy and self.matcher is None
 
     def check_stop_strings(self, decode, checked_tokens: int) -> None:
         """Cut the output before the first stop string that the tokens since `checked_tokens`

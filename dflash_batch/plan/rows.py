@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from dflash_batch.io.inputs import Record
-from dflash_batch.job import Job, SamplingSpec
+from dflash_batch.job import GRAMMAR_FIELDS, Job, SamplingSpec
 from dflash_batch.plan.buckets import assign_bucket
 from dflash_batch.plan.shards import Shard, hash64, shard_of
 from dflash_batch.plan.tokenize import Tokenizer
@@ -87,12 +87,16 @@ class RowPreparer:
         kwargs = overrides.get("chat_template_kwargs")
         if isinstance(kwargs, dict):  # the row's keys over the job's
             overrides["chat_template_kwargs"] = {**self.base_sampling["chat_template_kwargs"], **kwargs}
+        base = self.base_sampling
+        if any(f in overrides for f in GRAMMAR_FIELDS):  # a row's grammar replaces the job's
+            base = {**base, **dict.fromkeys(GRAMMAR_FIELDS)}
         try:
-            row.sampling = SamplingSpec.model_validate({**self.base_sampling, **overrides})
+            row.sampling = SamplingSpec.model_validate({**base, **overrides})
             row.overrides = overrides
         except ValidationError as e:
-            bad = "; ".join(f"{self.spec.sampling_columns.get(str(x['loc'][0]), x['loc'][0])}: "
-                            f"{x['msg']}" for x in e.errors())
+            def where(loc: tuple) -> str:  # the column of a field; a check across fields has none
+                return self.spec.sampling_columns.get(str(loc[0]), str(loc[0])) if loc else "sampling"
+            bad = "; ".join(f"{where(x['loc'])}: {x['msg']}" for x in e.errors())
             row.fail("bad_sampling_override", bad)
 
     def _prompt(self, data: dict, row: PreparedRow) -> tuple[str, Any] | None:

@@ -87,6 +87,16 @@ class Tokenizer:
         """Ids this tokenizer can produce (special tokens included)."""
         return self._backend.vocab_size
 
+    def token_table(self) -> list[str | bytes]:
+        """Each id's token as the vocabulary spells it (tokenizer.json's strings, tiktoken's
+        bytes), special tokens as "": what a grammar engine reads (grammar.py)."""
+        return self._backend.token_table()
+
+    @property
+    def hf_tokenizer(self):
+        """The `tokenizers.Tokenizer` behind a tokenizer.json, else None."""
+        return getattr(self._backend, "tok", None)
+
     # -- chat ----------------------------------------------------------------------------------
     def render_chat(self, messages: list[dict], template_kwargs: dict[str, Any]) -> str:
         if self.chat_template is None:
@@ -117,6 +127,13 @@ class _HFBackend:
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
+
+    def token_table(self) -> list[str | bytes]:
+        special = {t.content for t in self.tok.get_added_tokens_decoder().values() if t.special}
+        table: list[str | bytes] = [""] * self.vocab_size
+        for token, i in self.tok.get_vocab(with_added_tokens=True).items():
+            table[i] = "" if token in special else token
+        return table
 
     def token_to_id(self, token: str) -> int | None:
         return self.tok.token_to_id(token)
@@ -152,6 +169,14 @@ class _TiktokenBackend:
 
     def decode(self, ids: list[int]) -> str:
         return self.enc.decode([i for i in ids if i not in self.special_ids])
+
+    def token_table(self) -> list[str | bytes]:
+        def spelled(i: int) -> bytes:
+            try:
+                return b"" if i in self.special_ids else self.enc.decode_single_token_bytes(i)
+            except KeyError:  # an id the encoding leaves unassigned
+                return b""
+        return [spelled(i) for i in range(self.vocab_size)]
 
     def token_to_id(self, token: str) -> int | None:
         try:
