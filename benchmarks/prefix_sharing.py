@@ -1,12 +1,16 @@
-"""Prefix sharing: n = 8 samples of 2k-token prompts, prefilled once per prompt vs once per sample.
+"""Prefix sharing: n = 8 samples of 2k-token prompts, prefilled once per prompt vs once per
+sample; and prompts that share a long head (a system prompt), its cache copied vs recomputed.
 
 The demo pair (jobs/demo/models) decodes --prompts distinct prompts of --length tokens (word
 problems joined into one long user message), n samples each at temperature 1.0, with
 engine.share_prompts off and on, side by side in one process (medians over --repeats), at
 max_num_seqs = n (a prompt's later samples enter as rows free up) and = prompts x n (all at
-once). Prints prompt tokens the target ran, wall time, and whether the outputs agree.
+once). Then --heads prompts made of one --head-token head and distinct --tail-token tails on a
+random Qwen3 (hidden 256, 8 layers; attention only, so heads can be copied), target-only,
+greedy. Prints prompt tokens the target ran, wall time, and whether the outputs agree.
 
 usage: python benchmarks/prefix_sharing.py [--prompts 4] [--n 8] [--length 2048] [--repeats 3]
+                                          [--heads 32] [--head 1536] [--tail 512]
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,6 +34,7 @@ from dflash_batch.engine.request import Request, SamplingParams  # noqa: E402
 from dflash_batch.models.loader import load_model  # noqa: E402
 from dflash_batch.plan.buckets import Bucket  # noqa: E402
 from dflash_batch.plan.tokenize import Tokenizer  # noqa: E402
+from dflash_batch.testing.checkpoints import qwen3_checkpoint  # noqa: E402
 
 
 def long_prompts(tok: Tokenizer, count: int, length: int) -> list[list[int]]:
@@ -46,6 +52,28 @@ def long_prompts(tok: Tokenizer, count: int, length: int) -> list[list[int]]:
     return prompts
 
 
+def side_by_side(engines: dict[bool, Engine], reqs: list[Request], bucket: Bucket, repeats: int, label: str) -> None:
+    """Decode `reqs` with sharing off and on, interleaved (the machine's drift hits both alike);
+    print a table row for each."""
+    seconds, ran, outputs = {s: [] for s in engines}, {}, {}
+    for _ in range(repeats):
+        for share, engine in engines.items():
+            before, t0 = engine.prefill_tokens, time.perf_counter()
+            done = list(engine.generate(iter(reqs), bucket))
+            seconds[share].append(time.perf_counter() - t0)
+            ran[share] = engine.prefill_tokens - before
+            outputs[share] = {c.key: c.token_ids for c in done}
+    # float32: a copied or forked prompt's logits were computed beside other neighbours, so a
+    # near-tie may resolve apart
+    same = sum(outputs[True][k] == outputs[False][k] for k in outputs[False])
+    ratio = statistics.median(seconds[False]) / statistics.median(seconds[True])
+    for share in engines:
+        sec = statistics.median(seconds[share])
+        tokens = sum(map(len, outputs[share].values()))
+        print(f"| {label} | {'on' if share else 'off'} | {ran[share]} | {sec:.2f} | {tokens / sec:.0f} | "
+              f"{f'{ratio:.2f}x' if share else ''} | {f'{same}/{len(outputs[False])}' if share else ''} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", type=Path, default=ROOT / "jobs/demo/models")
@@ -53,10 +81,17 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--length", type=int, default=2048)
     ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--head", type=int, default=1536)
+    ap.add_argument("--tail", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    print(f"{args.threads} threads, medians of {args.repeats}; {args.new} new tokens per sample")
+    print("| case | share_prompts | prompt tokens run | wall s | generated tok/s | off/on | same outputs |")
+    print("|---|---|---|---|---|---|---|")
+
     target, drafter = load_model(args.models / "target"), load_model(args.models / "drafter")
     attach_drafter(target, drafter)
     tok = Tokenizer(args.models / "target")
@@ -64,29 +99,24 @@ def main() -> None:
     reqs = [Request((str(i), j), p, SamplingParams(temperature=1.0, max_new_tokens=args.new, seed=100 * i + j))
             for i, p in enumerate(prompts) for j in range(args.n)]
     engines = {share: Engine(target, drafter, tok.decode, share_prompts=share) for share in (False, True)}
-    print(f"{args.prompts} prompts x {args.length} tokens, n = {args.n}, {args.new} new tokens each, "
-          f"demo pair, {args.threads} threads, median of {args.repeats}")
-    print("| max_num_seqs | share_prompts | prompt tokens run | wall s | generated tok/s | off/on | same outputs |")
-    print("|---|---|---|---|---|---|---|")
     for rows in (args.n, args.n * args.prompts):
         bucket = Bucket(0, "0-4096", args.length + args.new + 64, rows, True, None)
-        seconds, ran, outputs = {s: [] for s in engines}, {}, {}
-        for _ in range(args.repeats):
-            for share, engine in engines.items():  # interleaved: the machine's drift hits both alike
-                before, t0 = engine.prefill_tokens, time.perf_counter()
-                done = list(engine.generate(iter(reqs), bucket))
-                seconds[share].append(time.perf_counter() - t0)
-                ran[share] = engine.prefill_tokens - before
-                outputs[share] = {c.key: c.token_ids for c in done}
-        # float32: a follower's first logits come from a batch of other neighbours, so a near-tie
-        # may resolve apart
-        same = sum(outputs[True][k] == outputs[False][k] for k in outputs[False])
-        ratio = statistics.median(seconds[False]) / statistics.median(seconds[True])
-        for share in engines:
-            sec = statistics.median(seconds[share])
-            tokens = sum(map(len, outputs[share].values()))
-            print(f"| {rows} | {'on' if share else 'off'} | {ran[share]} | {sec:.2f} | {tokens / sec:.0f} | "
-                  f"{f'{ratio:.2f}x' if share else ''} | {f'{same}/{len(outputs[False])}' if share else ''} |")
+        side_by_side(engines, reqs, bucket, args.repeats,
+                     f"demo pair, {args.prompts} prompts x {args.length} tokens, n = {args.n}, T = 1, "
+                     f"max_num_seqs {rows}")
+
+    with tempfile.TemporaryDirectory() as d:
+        qwen3 = load_model(qwen3_checkpoint(Path(d) / "qwen3", vocab=1000, hidden=256, layers=8, heads=8,
+                                            kv_heads=4, head_dim=32, inter=768))
+    gen = torch.Generator().manual_seed(0)
+    head = torch.randint(0, 1000, (args.head,), generator=gen).tolist()
+    reqs = [Request((str(i), 0), head + torch.randint(0, 1000, (args.tail,), generator=gen).tolist(),
+                    SamplingParams(max_new_tokens=args.new)) for i in range(args.heads)]
+    engines = {share: Engine(qwen3, None, share_prompts=share) for share in (False, True)}
+    bucket = Bucket(0, "0-4096", args.head + args.tail + args.new + 64, args.n, False, None)
+    side_by_side(engines, reqs, bucket, args.repeats,
+                 f"random Qwen3, {args.heads} prompts = one {args.head}-token head + {args.tail}-token tails, "
+                 f"T = 0, max_num_seqs {args.n}")
 
 
 if __name__ == "__main__":

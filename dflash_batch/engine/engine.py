@@ -30,6 +30,7 @@ from dflash_batch.engine.round import ERROR, Round
 from dflash_batch.engine.sampling import (add_bias_, choose_tokens, hold_stops_, log_probs, mask_disallowed_,
                                           penalize_)
 from dflash_batch.engine.sequence import Sequence
+from dflash_batch.engine.sharing import PromptIndex
 from dflash_batch.plan.buckets import Bucket
 from kernels.accept import STOP
 from kernels.sample import top1
@@ -55,31 +56,30 @@ class _Queue:
         self.min_prefill = min(prefill_budget, 16)
         self.suspects: set = set()  # keys of requests that start over one at a time
         self.exhausted = False
-        self.leaders: dict[tuple[int, ...], Sequence] = {}  # prompt -> the sequence prefilling it
-        self.decoding: dict[tuple[int, ...], list[Sequence]] = {}  # prompt -> sequences decoding
+        self.prompts = PromptIndex()
 
     def active(self) -> int:
         waiting = sum(len(s.followers) for s in self.prefilling)
         return len(self.prefilling) + waiting + sum(s is not None for s in self.running)
 
-    def start(self, seq: Sequence, share: bool) -> Sequence | None:
-        """Prefill `seq`, or (sharing) let it follow a sequence prefilling the same prompt. If one
-        is decoding instead, it is returned: its prompt's cache slots are intact, and `seq` may
-        copy all but the last (whose logits it needs) rather than prefill them."""
-        key = tuple(seq.prompt)
-        same = (lambda s: s.params.prompt_logprobs == seq.params.prompt_logprobs) if share else (lambda s: False)
-        leader = self.leaders.get(key)
-        if leader is not None and same(leader):
+    def start(self, seq: Sequence, share: bool) -> None:
+        """Prefill `seq`, or (`share`) let it follow a sequence prefilling the same prompt."""
+        leader = self.prompts.leader(seq) if share else None
+        if leader is not None:
             leader.followers.append(seq)
-            return None
-        self.prefilling.append(seq)
-        self.leaders.setdefault(key, seq)
-        return next((s for s in self.decoding.get(key, ()) if same(s)), None)
+        else:
+            self.prefilling.append(seq)
+        if share:
+            self.prompts.add(seq, prefills=leader is None)
+
+    def prefilled(self, seq: Sequence) -> None:
+        if seq in self.prefilling:
+            self.prefilling.remove(seq)
+        self.prompts.prefilled(seq)
 
     def decode(self, seq: Sequence, batch: DecodeBatch) -> None:
         batch.put(seq.row, seq)
         self.running[seq.row] = seq
-        self.decoding.setdefault(tuple(seq.prompt), []).append(seq)
 
     def room(self) -> bool:
         limit = 1 if self.suspects else self.limit
@@ -96,13 +96,7 @@ class _Queue:
         """Take a sequence out of prefill or decode (its row is freed by `release`)."""
         if seq in self.prefilling:
             self.prefilling.remove(seq)
-        key = tuple(seq.prompt)
-        if self.leaders.get(key) is seq:
-            del self.leaders[key]
-        if seq in self.decoding.get(key, ()):
-            self.decoding[key].remove(seq)
-            if not self.decoding[key]:
-                del self.decoding[key]
+        self.prompts.remove(seq)
         if self.running[seq.row] is seq:
             self.running[seq.row] = None
             batch.clear(seq.row)
@@ -182,12 +176,12 @@ class Engine:
                         break
                     if self.recurrent:
                         self.target.reset_state(row)  # the row's slot still holds its last sequence's state
-                    seq = Sequence(req, row_pages(row, pages_per_row), block, row)
-                    source = q.start(seq, self.share_prompts)
-                    if source is not None and not self.recurrent:  # (a recurrent state has moved on)
-                        self._copy_prompt(source, [seq], len(seq.prompt) - 1, caches)
+                    q.start(Sequence(req, row_pages(row, pages_per_row), block, row), self.share_prompts)
                 if q.prefilling:
-                    chunks = self._prefill_chunk(q.prefilling, q.prefill_budget)
+                    ready = q.prefilling
+                    if self.share_prompts and not self.recurrent:  # (a KDA state cannot be copied at a prefix)
+                        ready = self._copy_heads(q, caches)
+                    chunks = self._prefill_chunk(ready, q.prefill_budget)
                     involved = [seq for seq, _ in chunks]
                 else:
                     involved = [s for s in q.running if s is not None]
@@ -197,7 +191,7 @@ class Engine:
                     if q.prefilling:
                         finished = self._prefill(chunks, block, caches)
                         for seq in finished:
-                            q.forget(seq, batch)
+                            q.prefilled(seq)
                         for seq in (s for s in finished if not s.finish_reason):
                             q.decode(seq, batch)
                         finished = [s for s in finished if s.finish_reason]
@@ -356,6 +350,17 @@ class Engine:
             seq.check_stop_strings(self.decode, 1)
         return finishing
 
+    def _copy_heads(self, q: _Queue, caches: list[torch.Tensor]) -> list[Sequence]:
+        """Sequences about to start their prefill copy what another holds of their prompt's head
+        (engine/sharing.py); returns those that prefill now (not waiting to copy a head)."""
+        for seq in q.prefilling:
+            found = None if seq.prefilled else q.prompts.source(seq)
+            if found is not None:
+                source, count = found
+                self._copy_prompt(source, [seq], count, caches)
+        ready = [s for s in q.prefilling if not q.prompts.waits(s)]
+        return ready or q.prefilling
+
     def _fork(self, leader: Sequence, caches: list[torch.Tensor]) -> list[Sequence]:
         """The followers of a prefilled prompt start where it ends, with its recurrent state."""
         followers, leader.followers = leader.followers, []
@@ -366,8 +371,9 @@ class Engine:
         return followers
 
     def _copy_prompt(self, source: Sequence, seqs: list[Sequence], n: int, caches: list[torch.Tensor]) -> None:
-        """`seqs` (the same prompt as `source`) take its first n prompt positions' cache slots (the
-        target's and the drafter's context) as prefilled, and its prompt logprobs (the same K)."""
+        """`seqs` (sharing `source`'s first n prompt tokens) take those positions' cache slots (the
+        target's and the drafter's context) as prefilled; with prompt logprobs (the same K: only
+        a whole prompt is shared then), the source's."""
         def slots(seq: Sequence) -> torch.Tensor:
             return torch.tensor([seq.pages[p // self.page_size] * self.page_size + p % self.page_size
                                  for p in range(n)], dtype=torch.int64, device=self.device)
