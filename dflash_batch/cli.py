@@ -217,6 +217,24 @@ def report(out_dir: str, group_by: str | None, as_json: bool, plot_path: str | N
 
 
 @main.command()
+@click.argument("out_dir", type=click.Path(file_okay=False, exists=True))
+@click.argument("dest", type=click.Path(file_okay=False))
+@click.option("--rows-per-file", type=click.IntRange(min=1), default=100_000, show_default=True)
+@click.option("--messages", "messages_column", help="Add an SFT `messages` column: this passthrough column's "
+              "chat messages (or text, as one user turn), then the assistant's response (and reasoning).")
+def export(out_dir: str, dest: str, rows_per_file: int, messages_column: str | None) -> None:
+    """Write OUT_DIR's rows to DEST as a push-ready Hugging Face dataset (data/train-*.parquet and
+    a dataset card)."""
+    from dflash_batch.io.export import export_dataset
+
+    try:
+        rows = export_dataset(Path(out_dir), Path(dest), rows_per_file, messages_column)
+    except JobError as e:
+        _fail(e)
+    click.echo(f"{dest}: {rows} rows")
+
+
+@main.command()
 @click.option("--check", is_flag=True, help="Fail if the checked-in schemas differ.")
 @click.option("--dir", "schema_dir", default=str(SCHEMA_DIR), show_default=True)
 def schema(check: bool, schema_dir: str) -> None:

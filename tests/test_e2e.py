@@ -27,14 +27,14 @@ def pair(tmp_path_factory) -> tuple[Path, Path]:
     return target, d / "drafter"
 
 
-def _job(tmp_path: Path, pair, out: str, **sections) -> Path:
+def _job(tmp_path: Path, pair, out: str, passthrough: tuple[str, ...] = ("group",), **sections) -> Path:
     target, drafter = pair
     rows = [{"id": f"r{i}", "prompt": "What is 12 plus 30? " * (1 + i % 7), "group": "ab"[i % 2]}
             for i in range(10)]
     rows.append({"id": "empty", "prompt": ""})
     write_jsonl(tmp_path / "p.jsonl", rows)
     doc = base_job(target, ["p.jsonl"], sampling={"n": 2, "max_new_tokens": 24},
-                   input={"passthrough_columns": ["group"]}, output={"dir": out, "rows_per_part": 4},
+                   input={"passthrough_columns": list(passthrough)}, output={"dir": out, "rows_per_part": 4},
                    buckets=[{"max_tokens": 64}, {"max_tokens": 256}], **sections)
     doc["model"]["drafter"] = str(drafter)
     doc["engine"].update(max_num_seqs=3, compile=False)  # the compiled round: test_static_round.py
@@ -69,6 +69,45 @@ def test_run_writes_rows_whose_counters_add_up(tmp_path, pair):
     stats = json.loads((tmp_path / "out" / "stats" / "shard-00000.json").read_text())["buckets"]
     assert sum(b["rows"] for b in stats.values()) == 22
     assert "acc_len" in out.stdout  # the summary table
+
+
+def test_load_dataset_reads_an_output_directory_as_is(tmp_path, pair):
+    """Hugging Face `datasets` loads every committed row through the directory's dataset card,
+    and none of its stats or run files."""
+    datasets = pytest.importorskip("datasets")
+    _run(_job(tmp_path, pair, "out"))
+    loaded = datasets.load_dataset(str(tmp_path / "out"), cache_dir=str(tmp_path / "cache"))
+    assert list(loaded) == ["train"]
+    rows = read_out(tmp_path / "out")
+    assert sorted((r["row_id"], r["sample_index"]) for r in loaded["train"]) == sorted(
+        (r["row_id"], r["sample_index"]) for r in rows)
+    assert loaded["train"].column_names == list(rows[0])
+
+
+def test_export_writes_a_dataset_that_reloads_with_its_card(tmp_path, pair):
+    """`export` with an SFT messages column (the prompt passed through): split files by the
+    Hub's convention, every row once, the card's summary, and each row's messages."""
+    datasets = pytest.importorskip("datasets")
+    job = _job(tmp_path, pair, "out", passthrough=("group", "prompt"))
+    _run(job)
+    dest = tmp_path / "hub"
+    out = subprocess.run([*CLI, "export", str(tmp_path / "out"), str(dest), "--rows-per-file", "8",
+                          "--messages", "prompt"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert sorted(p.name for p in (dest / "data").iterdir()) == [f"train-0000{i}-of-00003.parquet" for i in range(3)]
+    card = (dest / "README.md").read_text()
+    rows = read_out(tmp_path / "out")
+    assert f"{len(rows)} rows: 20 ok, 2 error" in card and "acceptance length" in card
+    loaded = datasets.load_dataset(str(dest), cache_dir=str(tmp_path / "cache"))["train"]
+    assert len(loaded) == len(rows) == 22
+    by_key = {(r["row_id"], r["sample_index"]): r for r in rows}
+    for r in loaded:
+        want = by_key[(r["row_id"], r["sample_index"])]
+        assert r["messages"] == [{"role": "user", "content": want["prompt"], "reasoning_content": None},
+                                 {"role": "assistant", "content": want["response"], "reasoning_content": None}]
+    again = subprocess.run([*CLI, "export", str(tmp_path / "out"), str(dest)], capture_output=True, text=True,
+                           cwd=ROOT, timeout=300)
+    assert again.returncode != 0 and "is not empty" in again.stderr
 
 
 def test_tensor_parallel_2_run_equals_tp1(tmp_path, pair):

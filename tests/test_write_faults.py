@@ -1,8 +1,8 @@
 """A full disk or an I/O error at each write step (the part file's bytes, its fsync, its rename,
-the directory's fsync, the shard's stats, run.json) stops the run with a message that names the
-file, the step and the error; every part committed before it is intact and readable, no
-temporary file is left, and rerunning the same job (disk fixed) resumes to exactly the rows of
-an uninterrupted run. The engine is the deterministic test double: the data path is under test."""
+the directory's fsync, the shard's stats, the dataset card, run.json) stops the run with a
+message that names the file, the step and the error; every part committed before it is intact
+and readable, no temporary file is left, and rerunning the same job (disk fixed) resumes to
+exactly the rows of an uninterrupted run. The engine is the deterministic test double: the data path is under test."""
 
 from __future__ import annotations
 
@@ -73,7 +73,8 @@ STEPS = {
     "part rename": ("replace", 2, "renaming it into place failed"),
     "directory fsync": ("dirsync", 2, "syncing its directory failed"),
     "stats": ("stats", 1, "shard-00000.json: writing failed"),
-    "run.json": ("link", 1, "run.json: cannot create it"),
+    "dataset card": ("link", 1, "README.md: cannot create it"),
+    "run.json": ("link", 2, "run.json: cannot create it"),
 }
 
 

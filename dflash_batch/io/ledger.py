@@ -22,6 +22,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dflash_batch import __version__
+from dflash_batch.io.card import dataset_card
 from dflash_batch.io.outputs import OUTPUT_TYPES, SCHEMA_VERSION, CommitError, atomic_write_bytes
 from dflash_batch.job import Job, JobError, is_tuning
 from dflash_batch.plan.shards import Shard, hash64
@@ -81,24 +82,31 @@ def check_run(out_dir: Path, job: Job, shard: Shard) -> str:
 
 
 def lock_run(out_dir: Path, job: Job, shard: Shard, job_file: str | None = None) -> str:
-    """Write run.json if absent (atomically, race-free across array tasks), else check that it
-    describes the same logical run. Returns the config hash. `job_file` (the path it was run
+    """Write run.json (and the directory's dataset card, io/card.py) if absent, atomically and
+    race-free across array tasks, else check that it describes the same logical run. Returns the config hash. `job_file` (the path it was run
     from) is recorded for `status` to print the command that finishes the run."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "run.json"
-    if not path.exists():
-        tmp = out_dir / f".run.json.{os.getpid()}.tmp"
-        try:
-            tmp.write_bytes(orjson.dumps(_run_record(job, shard, job_file), option=orjson.OPT_INDENT_2))
-            os.link(tmp, path)  # fails if another task created it first: then check theirs
-        except FileExistsError:
-            pass
-        except OSError as e:
-            raise CommitError(f"{path}: cannot create it: {e.strerror or e}; nothing was generated. Fix the "
-                              "disk (free space, permissions) and rerun the same command") from e
-        finally:
-            tmp.unlink(missing_ok=True)
+    # The card first: a directory with run.json has it (load_dataset reads the parts through it).
+    _create_once(out_dir / "README.md", dataset_card(job).encode())
+    _create_once(out_dir / "run.json", orjson.dumps(_run_record(job, shard, job_file), option=orjson.OPT_INDENT_2))
     return check_run(out_dir, job, shard)
+
+
+def _create_once(path: Path, data: bytes) -> None:
+    """Write `path` atomically unless it exists (race-free across array tasks: the first wins)."""
+    if path.exists():
+        return
+    tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
+    try:
+        tmp.write_bytes(data)
+        os.link(tmp, path)  # fails if another task created it first
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise CommitError(f"{path}: cannot create it: {e.strerror or e}; nothing was generated. Fix the "
+                          "disk (free space, permissions) and rerun the same command") from e
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 @contextmanager
