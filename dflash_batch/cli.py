@@ -87,7 +87,10 @@ def _tp_rank(rank: int, world: int, port: int, job: Job, shard: Shard, progress:
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
 @click.option("--eager", is_flag=True, help="Run the decode round eagerly: no CUDA graphs, no torch.compile "
               "(sets engine.cuda_graphs and engine.compile to false).")
-def run(job_file: str, shard_text: str | None, output_dir: str | None, no_progress: bool, eager: bool) -> None:
+@click.option("--dry-run", is_flag=True, help="Print this shard's first rows as the engine would get them "
+              "(rendered prompt, tokens, bucket, or the row's error) and run nothing.")
+def run(job_file: str, shard_text: str | None, output_dir: str | None, no_progress: bool, eager: bool,
+        dry_run: bool) -> None:
     """Run JOB_FILE (this process's shard of it); resumes where a previous run stopped.
 
     With model.tensor_parallel_size N > 1 it starts N local rank processes itself, unless it is
@@ -102,6 +105,9 @@ def run(job_file: str, shard_text: str | None, output_dir: str | None, no_progre
             engine = job.engine.model_copy(update={"cuda_graphs": False, "compile": False})
             job = job.model_copy(update={"engine": engine})
         shard = resolve_shard(job.sharding, os.environ, parse_shard(shard_text) if shard_text else None)
+        if dry_run:
+            _dry_run(job, shard)
+            return
     except JobError as e:
         _fail(e)
     tp = job.model.tensor_parallel_size
@@ -131,6 +137,34 @@ def run(job_file: str, shard_text: str | None, output_dir: str | None, no_progre
         except mp.ProcessRaisedException as e:
             click.echo(f"error in a tensor-parallel rank:\n{e}", err=True)
             sys.exit(1)
+
+
+def _dry_run(job: Job, shard: Shard, rows: int = 5) -> None:
+    """The first `rows` prepared rows of this shard (no checkpoint loaded, nothing written)."""
+    from dflash_batch.io.inputs import check_inputs
+    from dflash_batch.plan.ahead import prepared_batches
+    from dflash_batch.plan.buckets import plan_buckets
+    from dflash_batch.runner import open_tokenizer
+
+    check_inputs(job.input)
+    tokenizer, _ = open_tokenizer(job)
+    buckets = plan_buckets(job)
+    job = job.model_copy(update={"output": job.output.model_copy(update={"include_prompt": True})})  # keep the text
+    shown = 0
+    for batch in prepared_batches(job, tokenizer, shard, set(), None):
+        for row in batch:
+            if row.error_type:
+                click.echo(f"--- row {row.row_id}: error {row.error_type}: {row.error}")
+            else:
+                text = row.prompt_text if row.prompt_text is not None else f"(token ids) {row.prompt_ids[:32]}"
+                click.echo(f"--- row {row.row_id}: {len(row.prompt_ids)} prompt tokens"
+                           f"{' (truncated)' if row.prompt_truncated else ''} + max_new_tokens "
+                           f"{row.sampling.max_new_tokens} x n {row.sampling.n} -> bucket {buckets[row.bucket].name}")
+                click.echo(text if len(text) <= 2000 else f"{text[:2000]}... ({len(text)} characters)")
+            shown += 1
+            if shown == rows:
+                return
+    click.echo(f"--- {shown} row(s) in shard {shard.index}/{shard.count}")
 
 
 @main.command()

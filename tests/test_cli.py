@@ -40,3 +40,19 @@ def test_status_counts_per_shard_and_bucket(tmp_path, model_dir):
     total_ok = sum(int(v[0]) for k, v in shard_rows.items() if k in "012")
     assert f"total: {total_ok} ok" in out.stdout
     assert "0-32" in out.stdout and "3 shard(s)" in out.stdout
+
+
+def test_dry_run_prints_the_first_rows_and_runs_nothing(tmp_path, model_dir):
+    """The checkpoint is one no engine can load: a dry run never loads it, nor writes anything."""
+    rows = [{"id": "a", "prompt": "hi there"}, {"id": "b", "prompt": ""}, {"id": "c", "prompt": "x " * 30}]
+    rows += [{"id": f"r{i}", "prompt": "more"} for i in range(10)]
+    write_jsonl(tmp_path / "p.jsonl", rows)
+    write_job(tmp_path, base_job(model_dir, ["p.jsonl"], buckets=[{"max_tokens": 32}, {"max_tokens": 256}]))
+    out = subprocess.run([*CLI, "run", str(tmp_path / "job.yaml"), "--dry-run"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    blocks = out.stdout.split("--- row ")[1:]
+    assert len(blocks) == 5 and [b.split(":")[0] for b in blocks] == ["a", "b", "c", "r0", "r1"]
+    assert re.match(r"a: \d+ prompt tokens \+ max_new_tokens 16 x n 1 -> bucket 0-32\nhi there\n", blocks[0])
+    assert blocks[1].startswith("b: error empty_prompt")
+    assert "-> bucket 32-256" in blocks[2]
+    assert not (tmp_path / "out").exists()
