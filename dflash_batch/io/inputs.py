@@ -1,6 +1,8 @@
-"""Streaming readers for Parquet and JSONL inputs.
+"""Streaming readers for Parquet and JSONL inputs, local or remote.
 
-Inputs are read in batches of records so a 10M-row file is never held whole. A JSONL line that
+Inputs are read in batches of records so a 10M-row file is never held whole. A path with a
+protocol (`hf://`, `s3://`, `gs://`, `memory://`, ...) is read through fsspec, streamed the same
+way (Parquet by row groups, JSONL line by line), never downloaded whole first. A JSONL line that
 does not parse is not fatal: it comes out as a record with `error` set and becomes an error row.
 A missing file or a Parquet file without a needed column is a job-level error: it stops the
 run before any work, naming the file.
@@ -34,11 +36,56 @@ class Record:
     error: str | None = None
 
 
-def expand_paths(paths: list[str], fmt: str) -> list[tuple[Path, str]]:
+InputFile = Path | str  # a local path, or a remote one as a URL
+
+
+def _remote(p: str) -> tuple | None:
+    """(filesystem, path) of a URL, through fsspec; None for a local path."""
+    if "://" not in p:
+        return None
+    try:
+        import fsspec
+    except ImportError:
+        raise JobError(f"input.paths: {p!r} is remote: reading it needs fsspec (pip install "
+                       "'dflash-batch[remote]')") from None
+    try:
+        return fsspec.core.url_to_fs(p)
+    except (ImportError, ValueError) as e:  # fsspec names the package a protocol needs
+        raise JobError(f"input.paths: {p!r}: {e}") from None
+
+
+def _remote_files(p: str) -> list[str]:
+    fs, path = _remote(p)
+    protocol = p.split("://", 1)[0]
+    if any(ch in path for ch in "*?["):
+        found = sorted(fs.glob(path))
+        if not found:
+            raise JobError(f"input.paths: {p!r} matches no file")
+    elif fs.isdir(path):
+        found = sorted(f for f in fs.find(path) if os.path.splitext(f)[1] in _EXT_FORMAT)
+        if not found:
+            raise JobError(f"input.paths: directory {p!r} holds no .parquet/.jsonl file")
+    elif fs.isfile(path):
+        found = [path]
+    else:
+        raise JobError(f"input.paths: {p!r} does not exist")
+    return [f"{protocol}://{f.removeprefix('/') if protocol == 'memory' else f}" for f in found]
+
+
+def _open(path: InputFile):
+    if isinstance(path, str):
+        fs, inner = _remote(path)
+        return fs.open(inner, "rb")
+    return open(path, "rb")
+
+
+def expand_paths(paths: list[str], fmt: str) -> list[tuple[InputFile, str]]:
     """Files named by paths/globs/directories, in a stable order, each with its format."""
-    files: list[Path] = []
+    files: list[InputFile] = []
     for p in paths:
-        if any(ch in p for ch in "*?["):
+        if "://" in p:
+            files += _remote_files(p)
+        elif any(ch in p for ch in "*?["):
             matched = sorted(glob.glob(p, recursive=True))
             if not matched:
                 raise JobError(f"input.paths: {p!r} matches no file")
@@ -54,7 +101,7 @@ def expand_paths(paths: list[str], fmt: str) -> list[tuple[Path, str]]:
             raise JobError(f"input.paths: {p!r} does not exist")
     out = []
     for f in dict.fromkeys(files):
-        kind = fmt if fmt != "auto" else _EXT_FORMAT.get(f.suffix.lower())
+        kind = fmt if fmt != "auto" else _EXT_FORMAT.get(os.path.splitext(str(f))[1].lower())
         if kind is None:
             raise JobError(f"input.paths: cannot tell the format of {f} from its extension; "
                            "set input.format to jsonl or parquet")
@@ -62,11 +109,12 @@ def expand_paths(paths: list[str], fmt: str) -> list[tuple[Path, str]]:
     return out
 
 
-def _source_names(files: list[Path]) -> list[str]:
+def _source_names(files: list[InputFile]) -> list[str]:
+    full = [f.split("://", 1)[1] if isinstance(f, str) else str(f.resolve()) for f in files]
     if len(files) == 1:
-        return [files[0].name]
-    root = os.path.commonpath([str(f.resolve()) for f in files])
-    return [os.path.relpath(f.resolve(), root) for f in files]
+        return [os.path.basename(full[0])]
+    root = os.path.commonpath(full)
+    return [os.path.relpath(f, root) for f in full]
 
 
 def needed_columns(spec: InputSpec) -> list[str]:
@@ -75,7 +123,7 @@ def needed_columns(spec: InputSpec) -> list[str]:
     return list(dict.fromkeys(c for c in cols if c))
 
 
-def _require_columns(path: Path, names: list[str], columns: list[str]) -> None:
+def _require_columns(path: InputFile, names: list[str], columns: list[str]) -> None:
     missing = [c for c in columns if c not in names]
     if missing:
         raise JobError(f"{path}: column(s) {missing} not found; the file has {names}")
@@ -94,9 +142,9 @@ def _jsonl_records(source: str, lines: list[tuple[int, bytes]]) -> list[Record]:
     return out
 
 
-def _jsonl_batches(path: Path, source: str, batch_rows: int) -> Iterator[Callable[[], list[Record]]]:
+def _jsonl_batches(path: InputFile, source: str, batch_rows: int) -> Iterator[Callable[[], list[Record]]]:
     batch: list[tuple[int, bytes]] = []
-    with open(path, "rb") as f:
+    with _open(path) as f:
         for index, line in enumerate(f):
             if line.strip():
                 batch.append((index, line))
@@ -111,18 +159,19 @@ def _parquet_records(source: str, start: int, rb: pa.RecordBatch) -> list[Record
     return [Record(source, start + i, row) for i, row in enumerate(rb.to_pylist())]
 
 
-def _parquet_batches(path: Path, source: str, columns: list[str],
+def _parquet_batches(path: InputFile, source: str, columns: list[str],
                      batch_rows: int) -> Iterator[Callable[[], list[Record]]]:
-    pf = pq.ParquetFile(path)
-    _require_columns(path, pf.schema_arrow.names, columns)
-    start = 0
-    for rb in pf.iter_batches(batch_size=batch_rows, columns=columns):
-        yield partial(_parquet_records, source, start, rb)
-        start += rb.num_rows
+    with _open(path) as f:
+        pf = pq.ParquetFile(f)
+        _require_columns(path, pf.schema_arrow.names, columns)
+        start = 0
+        for rb in pf.iter_batches(batch_size=batch_rows, columns=columns):
+            yield partial(_parquet_records, source, start, rb)
+            start += rb.num_rows
 
 
 def read_records(spec: InputSpec, part: tuple[int, int] = (0, 1),
-                 files: list[tuple[Path, str]] | None = None) -> Iterator[list[Record]]:
+                 files: list[tuple[InputFile, str]] | None = None) -> Iterator[list[Record]]:
     """Input records, batch by batch, file after file (`files`: expand_paths' answer, if known).
     With part=(k, count) only batches k, k + count, k + 2 * count, ... are parsed and returned
     (one worker's share)."""
@@ -144,4 +193,5 @@ def check_inputs(spec: InputSpec) -> None:
     columns = needed_columns(spec)
     for path, kind in expand_paths(spec.paths, spec.format):
         if kind == "parquet":
-            _require_columns(path, pq.read_schema(path).names, columns)
+            with _open(path) as f:
+                _require_columns(path, pq.read_schema(f).names, columns)
