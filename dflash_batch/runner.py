@@ -28,7 +28,7 @@ from dflash_batch.grammar import Grammars, asks_for_grammar
 from dflash_batch.io.inputs import check_inputs
 from dflash_batch.io.ledger import (check_run, committed_keys, lock_run, shard_dir, shard_lock,
                                    write_shard_stats)
-from dflash_batch.io.outputs import RESERVED, PartWriter
+from dflash_batch.io.outputs import RESERVED, PartWriter, output_record
 from dflash_batch.job import Job, JobError, SamplingSpec
 from dflash_batch.plan.buckets import Bucket, plan_buckets
 from dflash_batch.plan.ahead import fewer_gc_passes, prepare_ahead
@@ -53,8 +53,9 @@ class RunResult:
 
 class _Run:
     def __init__(self, job: Job, shard: Shard, tokenizer: Tokenizer, engine: Engine, config_hash: str,
-                 progress: bool, delimiters: Delimiters | None = None):
+                 progress: bool, delimiters: Delimiters | None = None, on_row: Callable[[dict], None] | None = None):
         self.job, self.shard, self.tok, self.engine = job, shard, tokenizer, engine
+        self.on_row = on_row
         self.delimiters = delimiters
         self.config_hash, self.progress = config_hash, progress
         self.buckets = plan_buckets(job)
@@ -69,6 +70,7 @@ class _Run:
                                     ("reasoning", delimiters is not None)) if on]
         optional += ["logprobs", "top_logprob_ids", "top_logprobs"] * asked("logprobs")
         optional += ["prompt_logprobs", "prompt_top_logprob_ids", "prompt_top_logprobs"] * asked("prompt_logprobs")
+        self.optional = optional
         self.writer = None if parallel.rank() else PartWriter(
             shard_dir(out_dir, shard.index), passthrough=job.input.passthrough_columns,
             optional=optional, rows_per_part=job.output.rows_per_part,
@@ -159,6 +161,8 @@ class _Run:
     def _commit(self, row: dict) -> None:
         if self.writer is not None:  # tensor-parallel ranks other than 0 decode but do not write
             self.writer.add(row)
+            if self.on_row is not None:
+                self.on_row(output_record(row, self.job.input.passthrough_columns, self.optional))
         # Every rank commits the same rows in the same order; they agree on stopping here.
         stop = parallel.any_rank(self.stop.is_set()) if self.tensor_parallel else self.stop.is_set()
         if stop:
@@ -264,9 +268,10 @@ def open_tokenizer(job: Job) -> tuple[Tokenizer, Delimiters | None]:
 
 
 def run_job(job: Job, engine_factory: EngineFactory, shard: Shard, progress: bool = True,
-            job_file: str | None = None) -> RunResult:
+            job_file: str | None = None, on_row: Callable[[dict], None] | None = None) -> RunResult:
     """Run this shard of the job. Everything that can make the job fail as a whole (inputs,
-    tokenizer, run.json, checkpoints) is checked before the first row is generated."""
+    tokenizer, run.json, checkpoints) is checked before the first row is generated. `on_row`
+    gets each output row (a dict of its columns) as it finishes (api.py)."""
     for col in job.input.passthrough_columns:
         if col in RESERVED:
             raise JobError(f"input.passthrough_columns: {col!r} collides with an output column")
@@ -282,7 +287,7 @@ def run_job(job: Job, engine_factory: EngineFactory, shard: Shard, progress: boo
         config_hash = lock_run(out_dir, job, shard, job_file) if parallel.rank() == 0 else None
         parallel.barrier()
         config_hash = config_hash or lock_run(out_dir, job, shard, job_file)
-        run = _Run(job, shard, tokenizer, engine, config_hash, progress, delimiters)
+        run = _Run(job, shard, tokenizer, engine, config_hash, progress, delimiters, on_row)
         parallel.barrier()
         on_main = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGTERM, lambda *_: run.stop.set()) if on_main else None

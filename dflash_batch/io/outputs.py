@@ -85,6 +85,16 @@ def _passthrough_array(values: list[Any]) -> pa.Array:
         return pa.array([None if v is None else orjson.dumps(v).decode() for v in values], pa.string())
 
 
+def output_record(row: dict, passthrough: list[str], optional: list[str]) -> dict:
+    """One output row as a dict of its columns, in the Parquet files' order."""
+    out = {}
+    for i, (name, *_) in enumerate(COLUMNS):
+        out[name] = row.get(name)
+        if i == 1:
+            out.update(zip(passthrough, row["passthrough"]))
+    return out | {name: row.get(name) for name in optional}
+
+
 def rows_to_table(rows: list[dict], passthrough: list[str], optional: list[str],
                   metadata: dict[str, str]) -> pa.Table:
     arrays, fields = [], []
