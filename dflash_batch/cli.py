@@ -5,13 +5,11 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections import Counter
 from pathlib import Path
 
 import click
 import orjson
 
-from dflash_batch.io.ledger import read_committed
 from dflash_batch.io.outputs import output_json_schema
 from dflash_batch.job import Job, JobError, job_json_schema, load_job
 from dflash_batch.plan.shards import Shard, parse_shard, resolve_shard
@@ -193,7 +191,7 @@ def validate(job_file: str, no_inputs: bool) -> None:
 def status(out_dir: str) -> None:
     """Rows done / error per shard and per bucket, from the committed files of OUT_DIR; which
     shards are incomplete, and the sbatch line that finishes them."""
-    from dflash_batch.io.ledger import array_spec, shard_states
+    from dflash_batch.io.ledger import array_spec, count_committed, shard_states
 
     out = Path(out_dir)
     run_file = out / "run.json"
@@ -201,16 +199,15 @@ def status(out_dir: str) -> None:
         _fail(JobError(f"{out}: no run.json; not a dflash-batch output directory"))
     run_record = orjson.loads(run_file.read_bytes())
     num_shards = run_record["num_shards"]
-    rows = read_committed(out, ["shard_index", "bucket", "status"]).to_pylist()
+    by_shard, by_bucket = count_committed(out)
     states = shard_states(out, num_shards)
-    counts = Counter((r["shard_index"], r["status"]) for r in rows)
     click.echo(_table(["shard", "ok", "error", "state"],
-                      [[i, counts[(i, "ok")], counts[(i, "error")], states[i]] for i in range(num_shards)]))
-    counts = Counter((r["bucket"], r["status"]) for r in rows)
-    names = sorted({k for k, _ in counts}, key=lambda x: (x is None, x))
-    click.echo("\n" + _table(["bucket", "ok", "error"], [[n, counts[(n, "ok")], counts[(n, "error")]] for n in names]))
-    click.echo(f"\ntotal: {sum(r['status'] == 'ok' for r in rows)} ok, "
-               f"{sum(r['status'] != 'ok' for r in rows)} error, {num_shards} shard(s), "
+                      [[i, by_shard[(i, "ok")], by_shard[(i, "error")], states[i]] for i in range(num_shards)]))
+    names = sorted({k for k, _ in by_bucket}, key=lambda x: (x is None, x))
+    click.echo("\n" + _table(["bucket", "ok", "error"],
+                             [[n, by_bucket[(n, "ok")], by_bucket[(n, "error")]] for n in names]))
+    ok = sum(c for (_, status), c in by_shard.items() if status == "ok")
+    click.echo(f"\ntotal: {ok} ok, {sum(by_shard.values()) - ok} error, {num_shards} shard(s), "
                f"{states.count('complete')} complete")
     todo = [i for i, s in enumerate(states) if s != "complete"]
     if todo:

@@ -15,11 +15,14 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from dflash_batch.io.ledger import part_files
+from dflash_batch.io.ledger import list_sums, part_files
 
-COLUMNS = ["row_id", "status", "finish_reason", "completion_tokens", "bucket", "spec_block_size",
+COLUMNS = ["row_id", "sample_index", "status", "finish_reason", "completion_tokens", "bucket", "spec_block_size",
            "spec_rounds", "spec_accepted", "spec_histogram"]
 
 
@@ -43,8 +46,65 @@ def is_right(response: str | None, answer, match: str) -> bool:
         return False
 
 
-def read_rows(out_dir: Path, group_by: str | None, answer: str | None = None) -> tuple[list[dict], str | None]:
-    """Committed rows of every shard; group_by defaults to a `dataset` column when there is one."""
+class _Totals:
+    """One table line's sums, added part by part."""
+
+    COUNTS = ("prompts", "requests", "errors", "truncated", "tokens", "rounds", "accepted", "drafted", "right",
+              "scored")
+
+    def __init__(self) -> None:
+        self.sums = dict.fromkeys(self.COUNTS, 0)
+        self.histogram = np.zeros(0, dtype=np.int64)
+
+    def add(self, sums: dict, histogram: np.ndarray) -> None:
+        for k in self.COUNTS:
+            self.sums[k] += int(sums.get(k) or 0)
+        if len(histogram) > len(self.histogram):
+            self.histogram = np.pad(self.histogram, (0, len(histogram) - len(self.histogram)))
+        self.histogram[:len(histogram)] += histogram
+
+    def summary(self, answer: str | None) -> dict:
+        s, hist = self.sums, self.histogram.tolist()
+        rounds = s["rounds"]
+        return {
+            "acc_len": 1 + s["accepted"] / rounds if rounds else None,
+            "proposal_acceptance": s["accepted"] / s["drafted"] if s["drafted"] else None,
+            "prompts": s["prompts"], "requests": s["requests"], "errors": s["errors"], "truncated": s["truncated"],
+            "mean_out_tokens": s["tokens"] / s["requests"] if s["requests"] else None,
+            "rounds": rounds, "accepted": s["accepted"],
+            "histogram": hist,  # rounds with n = 0..B-1 accepted drafts
+            "alpha": [sum(hist[k:]) / rounds for k in range(1, len(hist))] if rounds else [],
+            "right": s["right"] if answer else None, "scored": s["scored"] if answer else None,
+        }
+
+
+def _part_sums(t: pa.Table, answer: str | None, match: str) -> pa.Table:
+    """Per row of a part, the numbers a table line sums (Arrow compute: no Python row objects)."""
+    ok = pc.equal(t["status"], "ok")
+    spec = pc.and_(ok, pc.fill_null(pc.greater(t["spec_rounds"], 0), False))
+
+    def where(mask, col) -> pa.Array:
+        return pc.if_else(mask, pc.fill_null(col, 0), 0).cast(pa.int64())
+
+    rounds = where(spec, t["spec_rounds"])
+    cols = {
+        "prompts": pc.equal(t["sample_index"], 0).cast(pa.int64()), "requests": ok.cast(pa.int64()),
+        "errors": pc.invert(ok).cast(pa.int64()),
+        "truncated": pc.and_(ok, pc.equal(t["finish_reason"], "length")).cast(pa.int64()),
+        "tokens": where(ok, t["completion_tokens"]), "rounds": rounds, "accepted": where(spec, t["spec_accepted"]),
+        "drafted": pc.multiply(where(spec, pc.subtract(t["spec_block_size"], 1)), rounds)}
+    if answer:  # scoring reads the text: Python, but one part at a time
+        oks = ok.to_pylist()
+        cols["right"] = pa.array([int(bool(o) and is_right(r, a, match)) for o, r, a in
+                                  zip(oks, t["response"].to_pylist(), t[answer].to_pylist())], pa.int64())
+        cols["scored"] = pc.is_valid(t[answer]).cast(pa.int64())
+    return pa.table(cols)
+
+
+def build_report(out_dir: Path, group_by: str | None = None, answer: str | None = None,
+                 match: str = "last-number") -> dict:
+    """The tables, summed part by part with Arrow: memory does not grow with the number of rows
+    (`prompts` counts each row_id's sample 0)."""
     files = part_files(out_dir)
     if not files:
         raise FileNotFoundError(f"{out_dir}: no committed part files")
@@ -54,51 +114,32 @@ def read_rows(out_dir: Path, group_by: str | None, answer: str | None = None) ->
     for col, what in ((group_by, "group by"), (answer, "score against")):
         if col is not None and col not in names:
             raise KeyError(f"{out_dir}: no column {col!r} to {what} in the output (columns: {names})")
-    cols = COLUMNS + ([group_by] if group_by else []) + (["response", answer] if answer else [])
-    cols = list(dict.fromkeys(cols))
-    rows = [r for f in files for r in pq.read_table(f, columns=cols).to_pylist()]
-    return rows, group_by
-
-
-def summarize(rows: list[dict], answer: str | None = None, match: str = "last-number") -> dict:
-    """One table line: acceptance pooled over `rows` (and, with an answer column, how many
-    responses give the expected answer)."""
-    ok = [r for r in rows if r["status"] == "ok"]
-    spec = [r for r in ok if r["spec_rounds"]]
-    rounds = sum(r["spec_rounds"] for r in spec)
-    accepted = sum(r["spec_accepted"] for r in spec)
-    drafted = sum((r["spec_block_size"] - 1) * r["spec_rounds"] for r in spec)
-    width = max((len(r["spec_histogram"]) for r in spec), default=0)
-    hist = [sum(r["spec_histogram"][n] for r in spec if n < len(r["spec_histogram"])) for n in range(width)]
-    return {
-        "acc_len": 1 + accepted / rounds if rounds else None,
-        "proposal_acceptance": accepted / drafted if drafted else None,
-        "prompts": len({r["row_id"] for r in rows}),
-        "requests": len(ok),
-        "errors": len(rows) - len(ok),
-        "truncated": sum(r["finish_reason"] == "length" for r in ok),
-        "mean_out_tokens": sum(r["completion_tokens"] for r in ok) / len(ok) if ok else None,
-        "rounds": rounds,
-        "accepted": accepted,
-        "histogram": hist,  # rounds with n = 0..B-1 accepted drafts
-        "alpha": [sum(hist[k:]) / rounds for k in range(1, width)] if rounds else [],
-        "right": sum(is_right(r["response"], r[answer], match) for r in ok) if answer else None,
-        "scored": sum(r[answer] is not None for r in rows) if answer else None,
-    }
-
-
-def build_report(out_dir: Path, group_by: str | None = None, answer: str | None = None,
-                 match: str = "last-number") -> dict:
-    rows, group_by = read_rows(out_dir, group_by, answer)
-    groups: dict[str, list[dict]] = {}
-    buckets: dict[str, list[dict]] = {}
-    for r in rows:
-        groups.setdefault(str(r[group_by]) if group_by else "all", []).append(r)
-        buckets.setdefault(r["bucket"] or "-", []).append(r)
-    return {"group_by": group_by, "answer": answer, "match": match, "overall": summarize(rows, answer, match),
-            "groups": {k: summarize(v, answer, match) for k, v in sorted(groups.items())},
-            "buckets": {k: summarize(v, answer, match) for k, v in sorted(buckets.items(),
-                                                                          key=lambda kv: _edge(kv[0]))}}
+    cols = list(dict.fromkeys(COLUMNS + ([group_by] if group_by else []) + (["response", answer] if answer else [])))
+    totals: dict[str, dict[str, _Totals]] = {"overall": {}, "groups": {}, "buckets": {}}
+    for f in files:
+        t = pq.read_table(f, columns=cols)
+        sums = _part_sums(t, answer, match)
+        spec = pc.and_(pc.equal(t["status"], "ok"), pc.fill_null(pc.greater(t["spec_rounds"], 0), False))
+        labels = {"overall": pa.array(["all"] * t.num_rows, pa.string()),
+                  "groups": pc.cast(t[group_by], pa.string()) if group_by else pa.array(["all"] * t.num_rows),
+                  "buckets": pc.fill_null(t["bucket"], "-")}
+        for table, label in labels.items():
+            label = pc.fill_null(label.combine_chunks() if isinstance(label, pa.ChunkedArray) else label, "None")
+            encoded = pc.dictionary_encode(label)
+            keys = encoded.indices.to_numpy()
+            grouped = sums.append_column("key", encoded.indices).group_by("key").aggregate(
+                [(c, "sum") for c in sums.column_names])
+            # speculative rows' histograms only (a null code for the others adds nothing)
+            hists = list_sums(pc.if_else(spec, t["spec_histogram"], pa.scalar(None, t["spec_histogram"].type)),
+                              keys, len(encoded.dictionary))
+            for row in grouped.to_pylist():
+                name = encoded.dictionary[row["key"]].as_py()
+                totals[table].setdefault(name, _Totals()).add(
+                    {c: row[f"{c}_sum"] for c in sums.column_names}, hists[row["key"]])
+    groups = {k: v.summary(answer) for k, v in sorted(totals["groups"].items())}
+    buckets = {k: v.summary(answer) for k, v in sorted(totals["buckets"].items(), key=lambda kv: _edge(kv[0]))}
+    return {"group_by": group_by, "answer": answer, "match": match,
+            "overall": totals["overall"]["all"].summary(answer), "groups": groups, "buckets": buckets}
 
 
 def _edge(bucket: str) -> int:

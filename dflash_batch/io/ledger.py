@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import os
 import socket
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,7 +24,7 @@ import pyarrow.parquet as pq
 
 from dflash_batch import __version__
 from dflash_batch.io.card import dataset_card
-from dflash_batch.io.outputs import OUTPUT_TYPES, SCHEMA_VERSION, CommitError, atomic_write_bytes
+from dflash_batch.io.outputs import SCHEMA_VERSION, CommitError, atomic_write_bytes
 from dflash_batch.job import Job, JobError, is_tuning
 from dflash_batch.plan.shards import Shard, hash64
 
@@ -169,12 +170,29 @@ STAT_COLUMNS = ["bucket", "status", "completion_tokens", "spec_rounds", "spec_ac
                 "spec_histogram", "spec_block_size"]
 
 
-def read_committed(out_dir: Path, columns: list[str], index: int | None = None) -> pa.Table:
-    """The named columns of every committed part (of one shard, or all)."""
-    tables = [pq.read_table(f, columns=columns) for f in part_files(out_dir, index)]
-    if not tables:
-        return pa.table({c: pa.array([], OUTPUT_TYPES[c]) for c in columns})
-    return pa.concat_tables(tables, promote_options="permissive")
+def count_committed(out_dir: Path) -> tuple[Counter, Counter]:
+    """Committed rows per (shard, status) and per (bucket, status), counted part by part with
+    Arrow: memory does not grow with the number of rows."""
+    by_shard, by_bucket = Counter(), Counter()
+    for f in part_files(out_dir):
+        t = pq.read_table(f, columns=["shard_index", "bucket", "status"])
+        for keys, into in ((["shard_index", "status"], by_shard), (["bucket", "status"], by_bucket)):
+            for row in t.group_by(keys).aggregate([("status", "count")]).to_pylist():
+                into[(row[keys[0]], row["status"])] += row["status_count"]
+    return by_shard, by_bucket
+
+
+def list_sums(lists: pa.ChunkedArray | pa.Array, code: np.ndarray, n: int) -> np.ndarray:
+    """[n, width]: row i adds, position by position, the lists of the rows whose code is i
+    (histograms summed per bucket or group; a null list adds nothing)."""
+    lists = lists.combine_chunks() if isinstance(lists, pa.ChunkedArray) else lists
+    lengths = pc.list_value_length(lists).fill_null(0).to_numpy()
+    values = pc.list_flatten(lists).to_numpy()
+    matrix = np.zeros((n, int(lengths.max(initial=0))), np.int64)
+    row_of_value = np.repeat(np.arange(len(lengths)), lengths)
+    position = np.arange(len(values)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    np.add.at(matrix, (code[row_of_value], position), values)
+    return matrix
 
 
 def _per_bucket(code: np.ndarray, n: int, column: pa.ChunkedArray) -> list[int]:
@@ -194,14 +212,7 @@ def _bucket_totals(t: pa.Table) -> dict[str, dict]:
             "spec_rounds": _per_bucket(code, n, t["spec_rounds"]),
             "spec_accepted": _per_bucket(code, n, t["spec_accepted"]),
             "spec_drafted": _per_bucket(code, n, drafted)}
-    # Histograms: add each row's list into its bucket's row of a [buckets, width] matrix.
-    hist = t["spec_histogram"].combine_chunks()
-    lengths = pc.list_value_length(hist).fill_null(0).to_numpy()
-    values = pc.list_flatten(hist).to_numpy()
-    matrix = np.zeros((n, int(lengths.max(initial=0))), np.int64)
-    row_of_value = np.repeat(np.arange(len(lengths)), lengths)
-    position = np.arange(len(values)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    np.add.at(matrix, (code[row_of_value], position), values)
+    matrix = list_sums(t["spec_histogram"], code, n)
     return {name: {**{k: v[i] for k, v in sums.items()}, "spec_histogram": matrix[i].tolist()}
             for i, name in enumerate(names)}
 
