@@ -18,12 +18,12 @@ from dflash_batch.limits import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 class DecodeBatch:
     def __init__(self, rows: int, block: int, max_pages: int, page_size: int, sequences: int,
-                 device: torch.device | str, stop_width: int = 4, vocab_size: int = 0, penalties: bool = False,
-                 logprobs: bool = False):
+                 device: torch.device | str, vocab_size: int, like: DecodeBatch | None = None):
         """`rows` (>= `sequences`, padded up to a capture size); the first `sequences` state slots
         and `sequences * max_pages` pages belong to the rows that can run one; the next slot and
-        page are scratch for padding rows (the engine allocates them). `penalties`, `logprobs`:
-        allocate what they need now (else at the first row that asks for them)."""
+        page are scratch for padding rows (the engine allocates them). `like`: the previous
+        bucket's batch; what its requests made it grow (stop ids, bias, counts, logprobs) is
+        allocated now, so this batch's graphs cover it."""
         def full(shape, value, dtype=torch.int64):
             return torch.full(shape, value, dtype=dtype, device=device)
 
@@ -41,8 +41,9 @@ class DecodeBatch:
         self.top_p = full((rows, block), 1.0, torch.float32)
         self.min_p = full((rows, block), 0.0, torch.float32)
         self.min_stop_pos = full((rows,), 0)           # first position where a stop id may come
-        self.bias_ids = full((rows, MAX_LOGIT_BIAS), -1)  # logit_bias: token ids (-1: none)
-        self.bias = full((rows, MAX_LOGIT_BIAS), 0.0, torch.float32)
+        # logit_bias: token ids (-1: none) and biases, only for buckets whose requests use it
+        self.bias_ids: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
         self.repetition = full((rows,), 1.0, torch.float32)  # penalties (engine/sampling.py's penalize_)
         self.frequency = full((rows,), 0.0, torch.float32)
         self.presence = full((rows,), 0.0, torch.float32)
@@ -61,19 +62,21 @@ class DecodeBatch:
         self.grammar_bits: torch.Tensor | None = None
         self.allowed_bits: torch.Tensor | None = None
         self.seed = full((rows, block), 0)
-        self.stop_ids = full((rows, stop_width), -1)  # stop token ids (-1: none)
+        self.stop_ids = full((rows, like.stop_ids.shape[1] if like else 4), -1)  # stop token ids (-1: none)
         self.state_slot = full((rows,), sequences)  # recurrent-state slot (hybrid targets)
         self.out = full((rows, block + 2), 0)          # a round's result: emitted | kept | finished
         self.q_index = torch.arange(rows * block, device=device).view(rows, block)
         self.no_rows = full((0,), 0)
         self.vocab_size = vocab_size
-        # Set when the stop ids had to grow or the counts or logprobs appeared: graphs captured before no
-        # longer cover this batch (rounds run eagerly until the engine replaces it at the next bucket).
+        # Set when the stop ids had to grow or the bias, counts or logprobs appeared: graphs
+        # captured before no longer cover this batch (rounds run eagerly until the engine
+        # replaces it at the next bucket).
         self.reshaped = False
-        if penalties:
-            self._allocate_counts()
-        if logprobs:
-            self._allocate_logprobs()
+        if like is not None:
+            for grown, allocate in ((like.bias, self._allocate_bias), (like.counts, self._allocate_counts),
+                                    (like.token_logprob, self._allocate_logprobs)):
+                if grown is not None:
+                    allocate()
 
     def put(self, row: int, seq: Sequence) -> None:
         """Start decoding `seq` in `row`: its anchor, position, budget, pages and settings."""
@@ -81,12 +84,12 @@ class DecodeBatch:
         stops = list(p.stop_token_ids)
         if len(stops) > self.stop_ids.shape[1]:
             self._grow_stops(len(stops))
-        if p.penalized and self.counts is None:
-            self._allocate_counts()
-            self.reshaped = True
-        if p.logprobs is not None and self.token_logprob is None:
-            self._allocate_logprobs()
-            self.reshaped = True
+        for wanted, have, allocate in ((p.logit_bias, self.bias, self._allocate_bias),
+                                       (p.penalized, self.counts, self._allocate_counts),
+                                       (p.logprobs is not None, self.token_logprob, self._allocate_logprobs)):
+            if wanted and have is None:
+                allocate()
+                self.reshaped = True
         if seq.matcher is not None and self.grammar_bits is None:
             width = -(-self.vocab_size // 32)
             self.grammar_bits = torch.full((self.rows * self.block, width), -1, dtype=torch.int32)
@@ -103,7 +106,8 @@ class DecodeBatch:
         self.tables[row, :len(seq.pages)] = torch.tensor(seq.pages, device=self.device)
         self.host_tables[row] = list(seq.pages)
         self.stop_ids[row] = -1
-        self.bias_ids[row], self.bias[row] = -1, 0.0
+        if self.bias is not None:
+            self.bias_ids[row], self.bias[row] = -1, 0.0
         if p.logit_bias:
             ids, bias = zip(*p.logit_bias)
             self.bias_ids[row, :len(ids)] = torch.tensor(ids, device=self.device)
@@ -130,6 +134,10 @@ class DecodeBatch:
 
     def _ids(self, ids: list[int]) -> torch.Tensor:
         return torch.tensor(ids, dtype=torch.int64, device=self.device)
+
+    def _allocate_bias(self) -> None:
+        self.bias_ids = torch.full((self.rows, MAX_LOGIT_BIAS), -1, dtype=torch.int64, device=self.device)
+        self.bias = torch.zeros((self.rows, MAX_LOGIT_BIAS), dtype=torch.float32, device=self.device)
 
     def _allocate_counts(self) -> None:
         self.counts = torch.zeros((self.rows, self.vocab_size), dtype=torch.int32, device=self.device)

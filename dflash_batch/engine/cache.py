@@ -23,6 +23,11 @@ def row_pages(row: int, pages_per_row: int) -> list[int]:
     return list(range(row * pages_per_row, (row + 1) * pages_per_row))
 
 
+def slots(pages: list[int], positions: range | list[int], page_size: int) -> list[int]:
+    """The cache slots of these positions of a sequence with these pages."""
+    return [pages[p // page_size] * page_size + p % page_size for p in positions]
+
+
 @dataclass
 class SeqRows:
     """One sequence's share of a forward: `positions` are consecutive, keys < kv_len visible."""
@@ -39,13 +44,13 @@ def build_meta(rows: list[SeqRows], page_size: int, logits_rows: list[int] | Non
     """The AttnMeta of a forward whose rows are `rows`, packed in order."""
     q_max = max(r.count for r in rows)
     max_pages = max(len(r.pages) for r in rows)
-    positions, slots, q_index, q_pos, tables = [], [], [], [], []
+    positions, slot_ids, q_index, q_pos, tables = [], [], [], [], []
     total = sum(r.count for r in rows)
     row = 0
     for r in rows:
         pos = list(range(r.start, r.start + r.count))
         positions += pos
-        slots += [r.pages[p // page_size] * page_size + p % page_size for p in pos]
+        slot_ids += slots(r.pages, pos, page_size)
         q_index.append(list(range(row, row + r.count)) + [total] * (q_max - r.count))
         q_pos.append(pos + [-1] * (q_max - r.count))
         tables.append(r.pages + [0] * (max_pages - len(r.pages)))
@@ -55,7 +60,7 @@ def build_meta(rows: list[SeqRows], page_size: int, logits_rows: list[int] | Non
         return torch.tensor(x, dtype=torch.int64, device=device)
 
     kv_lens = [r.kv_len for r in rows]
-    return AttnMeta(positions=t(positions), slots=t(slots), q_index=t(q_index), q_positions=t(q_pos),
+    return AttnMeta(positions=t(positions), slots=t(slot_ids), q_index=t(q_index), q_positions=t(q_pos),
                     kv_lens=t(kv_lens), block_tables=t(tables), page_size=page_size,
                     max_kv=max(kv_lens),
                     logits_rows=t(list(range(total)) if logits_rows is None else logits_rows),

@@ -23,7 +23,7 @@ import kernels
 from dflash_batch.backends.meta import AttentionBackend
 from dflash_batch.backends.torch_attention import TORCH
 from dflash_batch.engine.batch import DecodeBatch
-from dflash_batch.engine.cache import SeqRows, build_meta, row_pages
+from dflash_batch.engine.cache import SeqRows, build_meta, row_pages, slots
 from dflash_batch.engine.graphs import RoundGraphs
 from dflash_batch.engine.request import Completion, Logprobs, Request
 from dflash_batch.engine.round import ERROR, Round
@@ -143,9 +143,6 @@ class Engine:
         self.log = log or (lambda line: None)
         self.rounds: dict[int, Round] = {}  # by block size: compiled code is kept across buckets
         self.bucket_state: tuple | None = None  # (shape, caches, batch, round, graphs) of the last bucket
-        self.stop_width = 4  # stop ids a row can hold; grows with the requests (batch.py)
-        # A request asked for penalties or logprobs: later buckets allocate what they need at once.
-        self.penalties = self.logprobs = False
 
     # -- public --------------------------------------------------------------------------------
     def generate(self, requests: Iterable[Request], bucket: Bucket) -> Iterator[Completion]:
@@ -248,12 +245,9 @@ class Engine:
         rows = self._padded(seqs)
         if self.recurrent:  # a state slot per row; slot `seqs` is the padding rows' scratch
             self.target.allocate_state(seqs + 1, rows, block, self.device)
-        if self.bucket_state is not None:  # keep the widest stop list seen, and counts: no second regrowth
-            self.stop_width = max(self.stop_width, self.bucket_state[2].stop_ids.shape[1])
-            self.penalties |= self.bucket_state[2].counts is not None
-            self.logprobs |= self.bucket_state[2].token_logprob is not None
-        batch = DecodeBatch(rows, block, pages_per_row, self.page_size, seqs, self.device, self.stop_width,
-                            self.vocab_size, self.penalties, self.logprobs)
+        # What the last bucket's requests made its batch grow is allocated at once: no second regrowth.
+        previous = self.bucket_state[2] if self.bucket_state is not None else None
+        batch = DecodeBatch(rows, block, pages_per_row, self.page_size, seqs, self.device, self.vocab_size, previous)
         self.log(f"bucket {bucket.name}: {seqs} rows of {pages_per_row * self.page_size} slots, block {block}, "
                  f"KV caches {cache_bytes / 2**20:.1f} MiB")
         if block not in self.rounds:
@@ -321,8 +315,8 @@ class Engine:
             for seq, r, here in zip(seqs, rows, scored):
                 if seq.prompt_logprobs is not None:  # row i scores prompt token i + 1
                     nexts = seq.prompt[r.start + 1:r.start + r.count + 1]
-                    for i, t in zip(here, nexts):
-                        self._score(seq.prompt_logprobs, scores[i], t, seq.params.prompt_logprobs)
+                    self._score(seq.prompt_logprobs, scores[here.start:here.start + len(nexts)], nexts,
+                                seq.params.prompt_logprobs)
         finishing, last = [], []  # with the logits row each one's first token comes from
         for seq, here in zip(seqs, scored):
             if seq.prefilled == len(seq.prompt):
@@ -346,7 +340,7 @@ class Engine:
             if seq.matcher is not None:
                 seq.matcher.accept_token(t)
             if seq.logprobs is not None:
-                self._score(seq.logprobs, scores[i], t, seq.params.logprobs)
+                self._score(seq.logprobs, scores[i:i + 1], [t], seq.params.logprobs)
             seq.check_stop_strings(self.decode, 1)
         return finishing
 
@@ -374,13 +368,12 @@ class Engine:
         """`seqs` (sharing `source`'s first n prompt tokens) take those positions' cache slots (the
         target's and the drafter's context) as prefilled; with prompt logprobs (the same K: only
         a whole prompt is shared then), the source's."""
-        def slots(seq: Sequence) -> torch.Tensor:
-            return torch.tensor([seq.pages[p // self.page_size] * self.page_size + p % self.page_size
-                                 for p in range(n)], dtype=torch.int64, device=self.device)
+        def where(seq: Sequence) -> torch.Tensor:
+            return torch.tensor(slots(seq.pages, range(n), self.page_size), dtype=torch.int64, device=self.device)
 
-        src = slots(source)
+        src = where(source)
         for seq in seqs:
-            dst = slots(seq)
+            dst = where(seq)
             for cache in caches:
                 cache[dst] = cache[src]
             seq.prefilled = n
@@ -388,10 +381,14 @@ class Engine:
                 seq.prompt_logprobs = source.prompt_logprobs.cut(len(seq.prompt))
 
     @staticmethod
-    def _score(into: Logprobs, scores: torch.Tensor, token: int, k: int) -> None:
-        """Record one token's logprob and the top k of its position's scores."""
-        top = scores.topk(min(k, scores.shape[-1]))
-        into.add(float(scores[token]), top.indices.tolist(), top.values.tolist())
+    def _score(into: Logprobs, scores: torch.Tensor, tokens: list[int], k: int) -> None:
+        """Record each token's logprob and the top k of its row of scores (one pass, one read-back)."""
+        if not tokens:
+            return
+        top = scores.topk(min(k, scores.shape[-1]), dim=-1)
+        picked = scores.gather(-1, torch.tensor(tokens, device=scores.device)[:, None])[:, 0]
+        for row in zip(picked.tolist(), top.indices.tolist(), top.values.tolist()):
+            into.add(*row)
 
     def _first_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """The token after each prompt (its coin: the position it takes, the prompt's length)."""

@@ -101,7 +101,8 @@ class Round:
             def per_verify_row(t: torch.Tensor) -> torch.Tensor:  # [n, L] -> [n * B, L]
                 return t[:n, None, :].expand(n, B, -1).reshape(n * B, -1)
 
-            add_bias_(logits, per_verify_row(b.bias_ids), per_verify_row(b.bias))
+            if b.bias is not None:
+                add_bias_(logits, per_verify_row(b.bias_ids), per_verify_row(b.bias))
             if b.counts is not None:
                 penalize_(logits, b.counts[:n], b.in_prompt[:n], ids[:, 1:], b.repetition[:n], b.frequency[:n],
                           b.presence[:n])

@@ -17,6 +17,8 @@ pages may then be rewritten.
 
 from __future__ import annotations
 
+import itertools
+
 from dflash_batch.engine.sequence import Sequence
 
 GRAIN = 64  # prompt tokens per block of the prefix index
@@ -38,6 +40,7 @@ class PromptIndex:
         self.blocks: dict[int, list[Sequence]] = {}              # block key -> active sequences
         self.keys: dict[int, list[int]] = {}                     # id(sequence) -> its block keys
         self.order: dict[int, int] = {}                          # id(sequence) -> admission order
+        self.admitted = itertools.count()
 
     def leader(self, seq: Sequence) -> Sequence | None:
         """The sequence prefilling this prompt that `seq` can follow."""
@@ -52,7 +55,7 @@ class PromptIndex:
             self.leaders.setdefault(key, seq)
         self.whole.setdefault(key, []).append(seq)
         self.keys[id(seq)] = block_keys(seq.prompt)
-        self.order[id(seq)] = len(self.order) and max(self.order.values()) + 1
+        self.order[id(seq)] = next(self.admitted)
         for k in self.keys[id(seq)]:
             self.blocks.setdefault(k, []).append(seq)
 
@@ -81,7 +84,7 @@ class PromptIndex:
                 return other, n - 1
         if seq.params.prompt_logprobs is not None:
             return None
-        keys = self.keys.get(id(seq)) or block_keys(seq.prompt)
+        keys = self.keys[id(seq)]
         for i in reversed(range(len(keys))):
             end = (i + 1) * GRAIN
             for other in self.blocks.get(keys[i], ()):
