@@ -1,9 +1,11 @@
-"""`report` and `status` on 1M and 10M output rows: wall time and peak memory.
+"""`report`, `status` and the duplicate-key check on 1M and 10M output rows: wall time and peak
+memory.
 
 Writes synthetic committed parts (the output schema's columns that report and status read, 100k
 rows a part, 4 datasets, 3 buckets, block size 8) to --dir once, then runs each command in a fresh
 process on the first 1M rows and on all of them, and prints a table. Flat memory: the peak
-should not grow with the rows (both read one part at a time).
+should not grow with the rows (report and status read one part at a time; the duplicate check,
+which a shard runs over its committed keys when it finishes, regroups them through spill parts).
 
 usage: python benchmarks/report_scale.py [--rows 10000000] [--dir /tmp/dfb-report-scale]
 """
@@ -70,11 +72,17 @@ def subset(d: Path, rows: int) -> Path:
     return out
 
 
+CLI = "from dflash_batch.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+DUPLICATES = ("import pyarrow.parquet as pq; from pathlib import Path\n"
+              "from dflash_batch.io.ledger import part_files; from dflash_batch.io.spill import duplicates\n"
+              "keys = ['row_id', 'sample_index']\n"
+              "assert duplicates((pq.read_table(f, columns=keys) for f in part_files(Path(sys.argv[2]))), keys)['count'] == 0\n")
+
+
 def measure(command: list[str]) -> tuple[float, float]:
     """Wall seconds and peak RSS (MiB) of one command in a fresh process."""
     t0 = time.perf_counter()
-    code = ("import resource, sys; from dflash_batch.cli import main\n"
-            "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+    code = ("import resource, sys\n" + (DUPLICATES if command[0] == "duplicates" else CLI) +
             "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)")
     out = subprocess.run([sys.executable, "-c", code, *command], capture_output=True, text=True, check=True)
     return time.perf_counter() - t0, int(out.stderr.strip().splitlines()[-1]) / 1024
@@ -90,7 +98,7 @@ def main() -> None:
     print("|---|---|---|---|")
     for rows in (args.rows // 10, args.rows):
         d = subset(args.dir, rows) if rows < args.rows else args.dir
-        for name in ("report", "status"):
+        for name in ("report", "status", "duplicates"):
             sec, rss = measure([name, str(d)] + (["--json"] if name == "report" else []))
             print(f"| {rows:,} | {name} | {sec:.1f} | {rss:.0f} |")
 

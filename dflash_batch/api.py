@@ -37,6 +37,9 @@ def generate(rows: Iterable[dict] | pa.Table, job: Job | str | Path | dict, *,
     engine to use (default: built from the job, as the CLI does)."""
     if not isinstance(job, Job):
         job = load_job(job) if isinstance(job, str | Path) else parse_job(job, base_dir=Path.cwd())
+    openai = job.input.format == "openai_batch"  # request lines: JSONL, as the format reads them
+    if openai and isinstance(rows, pa.Table):
+        rows = rows.to_pylist()
     spool = Path(job.output.dir) / "inputs" / ("rows.parquet" if isinstance(rows, pa.Table) else "rows.jsonl")
     spool.parent.mkdir(parents=True, exist_ok=True)
     if isinstance(rows, pa.Table):
@@ -45,7 +48,8 @@ def generate(rows: Iterable[dict] | pa.Table, job: Job | str | Path | dict, *,
         with open(spool, "wb") as f:
             for row in rows:
                 f.write(orjson.dumps(row, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
-    job = job.model_copy(update={"input": job.input.model_copy(update={"paths": [str(spool)], "format": "auto"})})
+    spooled = {"paths": [str(spool)], "format": "openai_batch" if openai else "auto"}
+    job = job.model_copy(update={"input": job.input.model_copy(update=spooled)})
     if engine_factory is None:
         from dflash_batch.build import build_engine
 

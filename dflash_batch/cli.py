@@ -1,4 +1,4 @@
-"""Command line: dflash-batch run | validate | status | schema."""
+"""Command line: dflash-batch run | validate | status | report | export | retry | schema."""
 
 from __future__ import annotations
 
@@ -172,13 +172,20 @@ def _dry_run(job: Job, shard: Shard, rows: int = 5) -> None:
 def validate(job_file: str, no_inputs: bool) -> None:
     """Check JOB_FILE, its inputs and its engine settings on this host, without running anything."""
     from dflash_batch.build import resolve_engine
-    from dflash_batch.io.inputs import check_inputs
+    from dflash_batch.io.inputs import check_inputs, duplicate_ids
     from dflash_batch.runner import open_tokenizer
 
     try:
         job = load_job(job_file)
         if not no_inputs:
             check_inputs(job.input)
+            found = duplicate_ids(job.input)
+            if found["count"]:
+                shown = "; ".join(f"{e['row_id']!r} at {', '.join(e['where_list'][:4])}" for e in found["examples"])
+                raise JobError(f"input: {found['count']} id(s) are held by more than one row ({found['rows']} rows), "
+                               f"e.g. {shown} (file#index, 0-based). Rows with one id would be written under one "
+                               "key, and a resume would skip the later ones: make the ids unique, or drop "
+                               "input.id_column to key rows by file and index")
             open_tokenizer(job)
             click.echo(resolve_engine(job).describe())
     except JobError as e:
@@ -191,7 +198,7 @@ def validate(job_file: str, no_inputs: bool) -> None:
 def status(out_dir: str) -> None:
     """Rows done / error per shard and per bucket, from the committed files of OUT_DIR; which
     shards are incomplete, and the sbatch line that finishes them."""
-    from dflash_batch.io.ledger import array_spec, count_committed, shard_states
+    from dflash_batch.io.ledger import array_spec, count_committed, duplicate_keys, shard_states
 
     out = Path(out_dir)
     run_file = out / "run.json"
@@ -209,6 +216,10 @@ def status(out_dir: str) -> None:
     ok = sum(c for (_, status), c in by_shard.items() if status == "ok")
     click.echo(f"\ntotal: {ok} ok, {sum(by_shard.values()) - ok} error, {num_shards} shard(s), "
                f"{states.count('complete')} complete")
+    for i, found in duplicate_keys(out, num_shards).items():
+        shown = ", ".join(f"({r['row_id']!r}, {r['sample_index']})" for r in found["examples"])
+        click.echo(f"duplicate ids: shard {i} committed {found['rows']} rows under {found['count']} (row_id, "
+                   f"sample_index) keys, e.g. {shown}: input rows share an id (dflash-batch validate lists them)")
     todo = [i for i, s in enumerate(states) if s != "complete"]
     if todo:
         job_file = run_record.get("job_file") or "JOB_FILE"
@@ -249,20 +260,52 @@ def report(out_dir: str, group_by: str | None, as_json: bool, plot_path: str | N
 
 @main.command()
 @click.argument("out_dir", type=click.Path(file_okay=False, exists=True))
-@click.argument("dest", type=click.Path(file_okay=False))
+@click.argument("dest", type=click.Path())
+@click.option("--format", "fmt", type=click.Choice(["hf", "openai_batch"]), default="hf", show_default=True,
+              help="hf: DEST a dataset directory (data/train-*.parquet + card); openai_batch: DEST a JSONL file "
+              "of OpenAI Batch API output lines, one per request.")
 @click.option("--rows-per-file", type=click.IntRange(min=1), default=100_000, show_default=True)
-@click.option("--messages", "messages_column", help="Add an SFT `messages` column: this passthrough column's "
-              "chat messages (or text, as one user turn), then the assistant's response (and reasoning).")
-def export(out_dir: str, dest: str, rows_per_file: int, messages_column: str | None) -> None:
-    """Write OUT_DIR's rows to DEST as a push-ready Hugging Face dataset (data/train-*.parquet and
-    a dataset card)."""
-    from dflash_batch.io.export import export_dataset
+@click.option("--messages", "messages_column", help="hf: add an SFT `messages` column: this passthrough "
+              "column's chat messages (or text, as one user turn), then the assistant's response (and reasoning).")
+def export(out_dir: str, dest: str, fmt: str, rows_per_file: int, messages_column: str | None) -> None:
+    """Write OUT_DIR's rows (merged with the runs it retries, its rows winning) to DEST."""
+    from dflash_batch.io.export import export_dataset, export_openai_batch
 
     try:
-        rows = export_dataset(Path(out_dir), Path(dest), rows_per_file, messages_column)
+        if fmt == "openai_batch":
+            if messages_column:
+                raise JobError("--messages applies to --format hf only")
+            count = export_openai_batch(Path(out_dir), Path(dest))
+            click.echo(f"{dest}: {count} request lines")
+        else:
+            count = export_dataset(Path(out_dir), Path(dest), rows_per_file, messages_column)
+            click.echo(f"{dest}: {count} rows")
     except JobError as e:
         _fail(e)
-    click.echo(f"{dest}: {rows} rows")
+
+
+@main.command()
+@click.argument("out_dir", type=click.Path(file_okay=False, exists=True))
+@click.option("--where", multiple=True, required=True, help="Rows to run again: error, length (finish_reason), "
+              "error_type=NAME; several: any of them.")
+@click.option("--set", "sets", multiple=True, help="FIELD=VALUE (a YAML value) changed from OUT_DIR's job, "
+              "e.g. sampling.max_new_tokens=4096.")
+@click.option("--output-dir", required=True, type=click.Path(file_okay=False), help="The retry's own directory.")
+def retry(out_dir: str, where: tuple[str, ...], sets: tuple[str, ...], output_dir: str) -> None:
+    """Make a new run of the chosen samples of the finished run OUT_DIR: writes OUTPUT_DIR/job.yaml
+    (run it like any job); `export OUTPUT_DIR` then merges it over OUT_DIR."""
+    from dflash_batch.retry import JOB_FILE, make_retry
+
+    try:
+        samples, rows = make_retry(Path(out_dir), list(where), list(sets), Path(output_dir))
+    except JobError as e:
+        _fail(e)
+    if not samples:
+        click.echo(f"nothing to retry: no row of {out_dir} matches --where {' '.join(where)}")
+        return
+    job_file = Path(output_dir) / JOB_FILE
+    click.echo(f"{samples} sample(s) of {rows} row(s) chosen; run them with:\n  dflash-batch run {job_file}\n"
+               f"then `dflash-batch export {output_dir} DEST` writes {out_dir}'s rows with these in their place")
 
 
 @main.command()

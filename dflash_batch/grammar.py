@@ -17,9 +17,23 @@ from dflash_batch.job import GRAMMAR_FIELDS, Job, JobError, SamplingSpec
 from dflash_batch.plan.tokenize import Tokenizer
 
 
+def wants_grammar(s: SamplingSpec) -> bool:
+    return any(getattr(s, f) is not None for f in GRAMMAR_FIELDS)
+
+
 def asks_for_grammar(job: Job) -> bool:
-    """The job, or any row through sampling_columns, may ask for structured output."""
-    return any(getattr(job.sampling, f) is not None or f in job.input.sampling_columns for f in GRAMMAR_FIELDS)
+    """The job, or any row through sampling_columns, may ask for structured output. A request
+    body (input.format openai_batch) may too: without xgrammar such a row is an error row, not
+    the whole job."""
+    if wants_grammar(job.sampling) or any(f in job.input.sampling_columns for f in GRAMMAR_FIELDS):
+        return True
+    if job.input.format != "openai_batch":
+        return False
+    try:
+        import xgrammar  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 class Grammars:

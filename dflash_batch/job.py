@@ -19,6 +19,7 @@ from dflash_batch.limits import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 MAX_CONTEXT = 131072
 GRAMMAR_FIELDS = ("json_schema", "regex", "choice")  # structured output: at most one per sample
+OPENAI_PASSTHROUGH = ["url", "model"]  # what export --format openai_batch needs of each request
 
 
 class _Strict(BaseModel):
@@ -29,7 +30,10 @@ class InputSpec(_Strict):
     """Where the prompts come from and which columns hold what."""
 
     paths: list[str] = Field(min_length=1, description="Files, globs or directories (Parquet or JSONL).")
-    format: Literal["auto", "jsonl", "parquet"] = Field("auto", description="auto: from the file extension.")
+    format: Literal["auto", "jsonl", "parquet", "openai_batch"] = Field(
+        "auto", description="auto: from the file extension. openai_batch: JSONL request lines of the OpenAI "
+        "Batch API ({custom_id, method, url, body}, chat completions or completions): custom_id is the row "
+        "id, the body gives the prompt and the sampling (over the job's); url and model are passed through.")
     id_column: str | None = Field(None, description="Column holding a unique row id; absent: a stable "
                                   "hash of (file, row index).")
     prompt_column: str | None = Field(None, description="Raw prompt text (no chat template).")
@@ -51,8 +55,26 @@ class InputSpec(_Strict):
     workers: int = Field(2, ge=0, le=64, description="Processes that read, template and tokenise rows "
                          "ahead of the engine; 0: a thread of the main process.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _openai_passthrough(cls, data: Any) -> Any:
+        """An OpenAI request's url and model travel with its rows (export writes them back)."""
+        if isinstance(data, dict) and data.get("format") == "openai_batch":
+            given = data.get("passthrough_columns") or []
+            if isinstance(given, list):
+                data = {**data, "passthrough_columns": [*OPENAI_PASSTHROUGH, *(c for c in given
+                                                                               if c not in OPENAI_PASSTHROUGH)]}
+        return data
+
     @model_validator(mode="after")
     def _one_prompt_column(self) -> InputSpec:
+        if self.format == "openai_batch":
+            fixed = [f for f in ("prompt_column", "messages_column", "input_ids_column", "id_column", "tools_column")
+                     if getattr(self, f)] + ["sampling_columns"] * bool(self.sampling_columns)
+            if fixed:
+                raise ValueError(f"format openai_batch: each request line gives its own id, prompt, tools and "
+                                 f"sampling; remove {fixed}")
+            return self
         given = [c for c in (self.prompt_column, self.messages_column, self.input_ids_column) if c]
         if len(given) != 1:
             raise ValueError("set exactly one of prompt_column, messages_column, input_ids_column "
@@ -60,6 +82,10 @@ class InputSpec(_Strict):
         if self.tools_column and not self.messages_column:
             raise ValueError("tools_column is only used with messages_column (the chat template renders it)")
         return self
+
+    def rows_may_set(self, field: str) -> bool:
+        """Whether a row may set this sampling field (through sampling_columns, or a request body)."""
+        return field in self.sampling_columns or self.format == "openai_batch"
 
     @field_validator("sampling_columns")
     @classmethod
@@ -223,6 +249,17 @@ class ShardingSpec(_Strict):
         return self
 
 
+class RetrySpec(_Strict):
+    """Written by `dflash-batch retry`: this run redoes chosen samples of a finished run."""
+
+    parent: str = Field(description="The parent run's output directory.")
+    parent_hash: str = Field(description="The parent's config_hash (its run.json) when the retry was made.")
+    samples: str = Field(description="Parquet file of the (row_id, sample_index) keys this run generates.")
+    where: list[str] = Field(description="What chose them (dflash-batch retry --where).")
+    changes: dict[str, Any] = Field(default_factory=dict, description="Job fields set unlike the parent's "
+                                    "(dotted name -> value).")
+
+
 class Job(_Strict):
     version: Literal[1] = 1
     name: str | None = None
@@ -236,6 +273,7 @@ class Job(_Strict):
         "error", description="A prompt that does not fit the largest bucket edge - max_new_tokens.")
     output: OutputSpec
     sharding: ShardingSpec = ShardingSpec()
+    retry: RetrySpec | None = Field(None, description="Set by `dflash-batch retry`: the run it redoes rows of.")
 
     @model_validator(mode="after")
     def _buckets_ascending(self) -> Job:
@@ -256,6 +294,8 @@ class Job(_Strict):
         doc = self.model_dump(mode="json", exclude={**TUNING, "sharding": True, "name": True})
         for b in doc["buckets"]:
             b.pop("max_num_seqs", None)
+        if doc["retry"] is None:  # a plain run hashes as it did before retries existed
+            del doc["retry"]
         return hashlib.sha256(orjson.dumps(doc, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
 
 
@@ -314,7 +354,9 @@ def parse_job(doc: Any, source: str = "<job>", base_dir: Path | None = None) -> 
     model = job.model.model_copy(update={k: _resolve(base_dir, getattr(job.model, k))
                                          for k in ("target", "drafter", "tokenizer", "chat_template")})
     out = job.output.model_copy(update={"dir": _resolve(base_dir, job.output.dir)})
-    return job.model_copy(update={"input": inp, "model": model, "output": out})
+    retry = job.retry and job.retry.model_copy(update={k: _resolve(base_dir, getattr(job.retry, k))
+                                                       for k in ("parent", "samples")})
+    return job.model_copy(update={"input": inp, "model": model, "output": out, "retry": retry})
 
 
 def load_job(path: str | Path) -> Job:

@@ -24,9 +24,9 @@ from tqdm import tqdm
 
 from dflash_batch import __version__, parallel
 from dflash_batch.engine.request import Completion, Engine, Request, SamplingParams
-from dflash_batch.grammar import Grammars, asks_for_grammar
+from dflash_batch.grammar import Grammars, asks_for_grammar, wants_grammar
 from dflash_batch.io.inputs import check_inputs
-from dflash_batch.io.ledger import (check_run, committed_keys, lock_run, shard_dir, shard_lock,
+from dflash_batch.io.ledger import (check_run, keys_to_skip, lock_run, shard_dir, shard_lock,
                                    write_shard_stats)
 from dflash_batch.io.outputs import RESERVED, PartWriter, output_record
 from dflash_batch.job import Job, JobError, SamplingSpec
@@ -61,11 +61,12 @@ class _Run:
         self.buckets = plan_buckets(job)
         self.eos = tuple(stop_token_ids(job.model.target, tokenizer))
         out_dir = Path(job.output.dir)
-        self.done = committed_keys(out_dir, shard.index)
-        def asked(field: str) -> bool:  # by the job, or by rows through sampling_columns
-            return getattr(job.sampling, field) is not None or field in job.input.sampling_columns
+        self.done = keys_to_skip(out_dir, shard.index, job)
+        def asked(field: str) -> bool:  # by the job, or by rows
+            return getattr(job.sampling, field) is not None or job.input.rows_may_set(field)
 
-        optional = [c for c, on in (("response_token_ids", job.output.include_token_ids),
+        openai = job.input.format == "openai_batch"  # export writes logprobs' tokens from the ids
+        optional = [c for c, on in (("response_token_ids", job.output.include_token_ids or openai),
                                     ("rendered_prompt", job.output.include_prompt),
                                     ("reasoning", delimiters is not None)) if on]
         optional += ["logprobs", "top_logprob_ids", "top_logprobs"] * asked("logprobs")
@@ -151,6 +152,9 @@ class _Run:
 
     def _check_grammar(self, row: PreparedRow) -> None:
         """A row's grammar must compile and have a stop token to end on, or the row fails."""
+        if self.grammars is None:  # only a request body can ask for one then (asks_for_grammar)
+            row.fail("bad_grammar", "structured output needs xgrammar: pip install 'dflash-batch[structured]'")
+            return
         try:
             if self.grammars.compile(row.sampling) is not None and not self._params(row.sampling).stop_token_ids:
                 row.fail("bad_grammar", "structured output needs a stop token to end on: the tokenizer has "
@@ -206,8 +210,13 @@ class _Run:
 
     def _run_window(self, rows: list[PreparedRow]) -> None:
         by_bucket: dict[int, list[PreparedRow]] = {}
+        seen = set()  # a row id twice in a window would be two requests under one key
         for row in rows:
-            if self.grammars is not None and not row.error_type:
+            if row.row_id in seen and not row.error_type:
+                row.fail("duplicate_id", f"row id {row.row_id!r} is also an earlier input row's; this row was not "
+                         "run (dflash-batch validate lists duplicate ids)")
+            seen.add(row.row_id)
+            if not row.error_type and (self.grammars is not None or wants_grammar(row.sampling)):
                 self._check_grammar(row)
             if row.error_type:
                 for i in range(row.sampling.n):

@@ -1,16 +1,22 @@
-"""`dflash-batch export OUT_DIR DEST`: a push-ready Hugging Face dataset from a run's parts.
+"""`dflash-batch export OUT_DIR DEST`: a push-ready Hugging Face dataset, or an OpenAI Batch API
+output file, from a run's parts and those of the runs it retries (`dflash-batch retry`).
 
 The committed rows are streamed (one part in memory at a time) into split files named by the
 Hub's convention, `data/train-00000-of-0000N.parquet`, beside a dataset card with the job, the
-model, the sampling and the acceptance summary. `messages`: an SFT column, the prompt's chat (a
+model, the sampling and the acceptance summary. A retry's rows replace its parent's, and an
+OpenAI line gathers the samples of one request: both regroup rows by id through spill parts
+(io/spill.py), so memory stays bounded by a part. `messages`: an SFT column, the prompt's chat (a
 passthrough column holding messages, or a text column as one user turn) followed by the
 assistant's turn, its reasoning as `reasoning_content` where the run split it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from itertools import groupby
 from pathlib import Path
 
+import numpy as np
 import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -18,35 +24,89 @@ import pyarrow.parquet as pq
 
 from dflash_batch.io.card import dataset_card
 from dflash_batch.io.ledger import part_files
+from dflash_batch.io.openai_batch import CHAT_URL, COMPLETIONS_URL, response_line
+from dflash_batch.io.spill import by_key
 from dflash_batch.job import Job, JobError
+from dflash_batch.plan.tokenize import Tokenizer
 
 MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string())])
 
 
+def lineage(out_dir: Path) -> list[tuple[Path, dict]]:
+    """(directory, run.json) of a run and of the runs it retries, the first run first."""
+    chain: list[tuple[Path, dict]] = []
+    expected = None
+    while out_dir is not None:
+        run_file = out_dir / "run.json"
+        if not run_file.exists():
+            raise JobError(f"{out_dir}: no run.json; not a dflash-batch output directory")
+        record = orjson.loads(run_file.read_bytes())
+        if expected is not None and record["config_hash"] != expected:
+            raise JobError(f"{out_dir}: its config_hash is {record['config_hash']}, but the retry "
+                           f"{chain[-1][0]} was made from {expected}: not the run it retries")
+        chain.append((out_dir, record))
+        retry = record["job"].get("retry")
+        out_dir, expected = (Path(retry["parent"]), retry["parent_hash"]) if retry else (None, None)
+        if len(chain) > 1000:
+            raise JobError(f"{chain[0][0]}: its retries' parents form a loop")
+    return chain[::-1]
+
+
+def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """`table` in `schema`'s columns and order; a column it lacks comes out null."""
+    return pa.Table.from_arrays([table[f.name].cast(f.type) if f.name in table.column_names
+                                 else pa.nulls(table.num_rows, f.type) for f in schema], schema=schema)
+
+
+def merged_rows(chain: list[tuple[Path, dict]], grouped: bool) -> Iterator[pa.Table]:
+    """The rows of a run and its retries, each (row_id, sample_index) once, a retry's row in
+    place of its parent's. Streamed part by part when no merge or grouping is needed; else in
+    spill parts by row_id (the samples of a row together, sorted), memory bounded by a part."""
+    parts = [(gen, p) for gen, (d, _) in enumerate(chain) for p in part_files(d)]
+    if len(chain) == 1 and not grouped:
+        for _, p in parts:
+            yield pq.read_table(p)
+        return
+    try:
+        schema = pa.unify_schemas([pq.read_schema(p).remove_metadata() for _, p in parts] or [pa.schema([])],
+                                  promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+        raise JobError(f"{chain[-1][0]}: a retry's columns cannot be merged with its parent's: {e}") from None
+    schema = schema.append(pa.field("_generation", pa.int32()))
+
+    def tagged(gen: int, path: Path) -> pa.Table:
+        table = pq.read_table(path)
+        return _conform(table.append_column("_generation", pa.array([gen] * table.num_rows, pa.int32())), schema)
+
+    for table in by_key((tagged(gen, p) for gen, p in parts), "row_id"):
+        table = table.sort_by([("row_id", "ascending"), ("sample_index", "ascending"), ("_generation", "descending")])
+        ids, samples = table["row_id"].to_numpy(zero_copy_only=False), table["sample_index"].to_numpy()
+        first = np.ones(table.num_rows, bool)  # the latest generation of each key comes first
+        first[1:] = (ids[1:] != ids[:-1]) | (samples[1:] != samples[:-1])
+        yield table.filter(pa.array(first)).drop_columns(["_generation"])
+
+
 def export_dataset(out_dir: Path, dest: Path, rows_per_file: int = 100_000, messages: str | None = None) -> int:
-    """Write the dataset; returns the rows written."""
-    run_file = out_dir / "run.json"
-    if not run_file.exists():
-        raise JobError(f"{out_dir}: no run.json; not a dflash-batch output directory")
-    job = Job.model_validate(orjson.loads(run_file.read_bytes())["job"])
-    parts = part_files(out_dir)
-    total = sum(pq.ParquetFile(p).metadata.num_rows for p in parts)
+    """Write the dataset (a run's rows merged with its retries'); returns the rows written."""
+    chain = lineage(out_dir)
+    job = Job.model_validate(chain[-1][1]["job"])
+    total = sum(pq.ParquetFile(p).metadata.num_rows for d, _ in chain for p in part_files(d))  # an upper bound
     files = max(1, -(-total // rows_per_file))
     (dest / "data").mkdir(parents=True, exist_ok=True)
     if any((dest / "data").iterdir()):
         raise JobError(f"{dest / 'data'} is not empty: export into a new directory")
-    writer, index, in_file, written = None, 0, 0, 0
+    writer, index, in_file, written, names = None, 0, 0, 0, []
     ok = rounds = accepted = 0
-    for part in parts:
-        table = pq.read_table(part)
+    for table in merged_rows(chain, grouped=False):
         if messages is not None:
-            table = table.append_column("messages", _messages(table, messages, part))
+            table = table.append_column("messages", _messages(table, messages))
         ok += pc.sum(pc.equal(table["status"], "ok")).as_py() or 0
         rounds += pc.sum(table["spec_rounds"]).as_py() or 0
         accepted += pc.sum(table["spec_accepted"]).as_py() or 0
         while table.num_rows:
             if writer is None:
-                writer = pq.ParquetWriter(dest / "data" / f"train-{index:05d}-of-{files:05d}.parquet", table.schema)
+                names.append(dest / "data" / f"train-{index:05d}-of-{files:05d}.parquet")
+                writer = pq.ParquetWriter(names[-1], table.schema)
             take = table.slice(0, rows_per_file - in_file)
             writer.write_table(take)
             table, in_file, written = table.slice(take.num_rows), in_file + take.num_rows, written + take.num_rows
@@ -55,16 +115,48 @@ def export_dataset(out_dir: Path, dest: Path, rows_per_file: int = 100_000, mess
                 writer, index, in_file = None, index + 1, 0
     if writer is not None:
         writer.close()
+    for name in names:  # merged retries replace rows: fewer files than the bound, renamed to say so
+        name.rename(name.with_name(name.name.replace(f"-of-{files:05d}", f"-of-{len(names):05d}")))
     acc = f"{1 + accepted / rounds:.2f}" if rounds else "n/a (no speculation)"
+    runs = " + ".join(f"`{d.resolve()}`" for d, _ in chain)
     summary = (f"\n{written} rows: {ok} ok, {written - ok} error; acceptance length (1 + accepted / rounds, "
-               f"pooled) {acc}. Exported from `{out_dir.resolve()}`.\n")
+               f"pooled) {acc}. Exported from {runs}{' (each retry replaces its rows)' if len(chain) > 1 else ''}.\n")
     (dest / "README.md").write_text(dataset_card(job, "data/train-*.parquet", summary))
     return written
 
 
-def _messages(table: pa.Table, column: str, part: Path) -> pa.Array:
+def export_openai_batch(out_dir: Path, dest: Path) -> int:
+    """Write one OpenAI Batch API output line per request (a run's rows merged with its
+    retries'); returns the lines written."""
+    chain = lineage(out_dir)
+    job = Job.model_validate(chain[-1][1]["job"])
+    if dest.exists():
+        raise JobError(f"{dest} exists: export into a new file")
+    default_url = CHAT_URL if job.input.messages_column or job.input.format == "openai_batch" else COMPLETIONS_URL
+    created = int((chain[-1][0] / "run.json").stat().st_mtime)
+    tokenizer = None
+
+    def token_text(token: int) -> str:
+        nonlocal tokenizer
+        if tokenizer is None:  # only for logprobs
+            tokenizer = Tokenizer(job.model.tokenizer or job.model.target, job.model.chat_template)
+        return tokenizer.decode([token])
+
+    lines = 0
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    with open(tmp, "wb") as f:
+        for table in merged_rows(chain, grouped=True):
+            rows = table.to_pylist()
+            for _, samples in groupby(rows, key=lambda r: r["row_id"]):
+                f.write(response_line(list(samples), default_url, Path(job.model.target).name, created, token_text))
+                lines += 1
+    tmp.rename(dest)
+    return lines
+
+
+def _messages(table: pa.Table, column: str) -> pa.Array:
     if column not in table.column_names:
-        raise JobError(f"--messages {column}: no such column in {part} (pass the input's messages or prompt "
+        raise JobError(f"--messages {column}: no such output column (pass the input's messages or prompt "
                        "through input.passthrough_columns)")
     reasoning = table["reasoning"].to_pylist() if "reasoning" in table.column_names else [None] * table.num_rows
     out = []

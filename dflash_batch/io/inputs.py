@@ -22,6 +22,7 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dflash_batch.io.spill import duplicates
 from dflash_batch.job import InputSpec, JobError
 
 _EXT_FORMAT = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl",
@@ -195,3 +196,19 @@ def check_inputs(spec: InputSpec) -> None:
         if kind == "parquet":
             with _open(path) as f:
                 _require_columns(path, pq.read_schema(f).names, columns)
+
+
+def duplicate_ids(spec: InputSpec) -> dict:
+    """Ids held by more than one input row (input.id_column, or a request line's custom_id),
+    found through spill parts (memory bounded by a part): spill.duplicates' answer, each
+    example with where its rows are (file#index)."""
+    column = "custom_id" if spec.format == "openai_batch" else spec.id_column
+
+    def ids() -> Iterator[pa.Table]:
+        for records in read_records(spec):
+            found = [(str(v), f"{r.source}#{r.index}") for r in records
+                     if isinstance(v := (r.data or {}).get(column), str | int) and not isinstance(v, bool) and v != ""]
+            yield pa.table({"row_id": pa.array([i for i, _ in found], pa.string()),
+                            "where": pa.array([w for _, w in found], pa.string())})
+
+    return duplicates(ids(), ["row_id"], "where") if column else {"count": 0, "rows": 0, "examples": []}

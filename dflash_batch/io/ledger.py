@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 from dflash_batch import __version__
 from dflash_batch.io.card import dataset_card
 from dflash_batch.io.outputs import SCHEMA_VERSION, CommitError, atomic_write_bytes
+from dflash_batch.io.spill import duplicates
 from dflash_batch.job import Job, JobError, is_tuning
 from dflash_batch.plan.shards import Shard, hash64
 
@@ -59,6 +60,9 @@ def _run_record(job: Job, shard: Shard, job_file: str | None) -> dict:
 def check_run(out_dir: Path, job: Job, shard: Shard) -> str:
     """If run.json exists, check that it describes the same logical run as `job` (read only:
     a job is refused before anything is loaded). Returns the config hash."""
+    if job.retry is not None and not Path(job.retry.samples).is_file():
+        raise JobError(f"retry.samples: {job.retry.samples} does not exist (dflash-batch retry writes it beside "
+                       "the retry's job file)")
     record = _run_record(job, shard, None)
     path = out_dir / "run.json"
     if not path.exists():
@@ -84,8 +88,9 @@ def check_run(out_dir: Path, job: Job, shard: Shard) -> str:
 
 def lock_run(out_dir: Path, job: Job, shard: Shard, job_file: str | None = None) -> str:
     """Write run.json (and the directory's dataset card, io/card.py) if absent, atomically and
-    race-free across array tasks, else check that it describes the same logical run. Returns the config hash. `job_file` (the path it was run
-    from) is recorded for `status` to print the command that finishes the run."""
+    race-free across array tasks, else check that it describes the same logical run. Returns the
+    config hash. `job_file` (the path it was run from) is recorded for `status` to print the
+    command that finishes the run."""
     out_dir.mkdir(parents=True, exist_ok=True)
     # The card first: a directory with run.json has it (load_dataset reads the parts through it).
     _create_once(out_dir / "README.md", dataset_card(job).encode())
@@ -156,14 +161,35 @@ class DoneSet:
         return i < self.hashes.size and self.hashes[i] == h
 
 
-def committed_keys(out_dir: Path, index: int) -> DoneSet:
+def _key_hashes(files: Iterable[Path]) -> DoneSet:
     chunks = []
-    for f in part_files(out_dir, index):
+    for f in files:
         t = pq.read_table(f, columns=["row_id", "sample_index"])
         chunks.append(np.fromiter((key_hash(r, s) for r, s in zip(t["row_id"].to_pylist(),
                                                                   t["sample_index"].to_pylist())),
                                   dtype=np.uint64, count=t.num_rows))
     return DoneSet(np.concatenate(chunks) if chunks else np.empty(0, np.uint64))
+
+
+def committed_keys(out_dir: Path, index: int) -> DoneSet:
+    return _key_hashes(part_files(out_dir, index))
+
+
+class Skipped:
+    """The keys a retry run does not generate: those committed, and those it was not given."""
+
+    def __init__(self, done: DoneSet, chosen: DoneSet):
+        self.done, self.chosen = done, chosen
+
+    def __contains__(self, key: tuple[str, int]) -> bool:
+        return key in self.done or key not in self.chosen
+
+
+def keys_to_skip(out_dir: Path, index: int, job: Job) -> DoneSet | Skipped:
+    """What this shard must not generate: its committed keys; in a retry run (job.retry), also
+    every key outside the retry's samples file."""
+    done = committed_keys(out_dir, index)
+    return done if job.retry is None else Skipped(done, _key_hashes([Path(job.retry.samples)]))
 
 
 STAT_COLUMNS = ["bucket", "status", "completion_tokens", "spec_rounds", "spec_accepted",
@@ -246,14 +272,29 @@ def bucket_stats(tables: Iterable[pa.Table]) -> dict[str, dict]:
 
 
 def write_shard_stats(out_dir: Path, index: int, complete: bool) -> dict[str, dict]:
-    """Per-bucket totals of the shard's committed parts, and whether its run got through all of
-    its input (`status` reads that)."""
-    stats = bucket_stats(pq.read_table(f, columns=STAT_COLUMNS) for f in part_files(out_dir, index))
+    """Per-bucket totals of the shard's committed parts, whether its run got through all of its
+    input, and, once it has, the keys committed more than once (`status` reads both): two input
+    rows with one id. A row id always falls in the same shard, so a shard's check is the run's."""
+    files = part_files(out_dir, index)
+    stats = bucket_stats(pq.read_table(f, columns=STAT_COLUMNS) for f in files)
+    record = {"shard": index, "complete": complete, "buckets": stats}
+    if complete:
+        record["duplicate_keys"] = duplicates((pq.read_table(f, columns=["row_id", "sample_index"]) for f in files),
+                                              ["row_id", "sample_index"])
     (out_dir / "stats").mkdir(exist_ok=True)
-    atomic_write_bytes(out_dir / "stats" / f"shard-{index:05d}.json",
-                       orjson.dumps({"shard": index, "complete": complete, "buckets": stats},
-                                    option=orjson.OPT_INDENT_2))
+    atomic_write_bytes(out_dir / "stats" / f"shard-{index:05d}.json", orjson.dumps(record, option=orjson.OPT_INDENT_2))
     return stats
+
+
+def duplicate_keys(out_dir: Path, num_shards: int) -> dict[int, dict]:
+    """Per finished shard with duplicate keys, what write_shard_stats found."""
+    out = {}
+    for i in range(num_shards):
+        path = out_dir / "stats" / f"shard-{i:05d}.json"
+        found = orjson.loads(path.read_bytes()).get("duplicate_keys") if path.exists() else None
+        if found and found["count"]:
+            out[i] = found
+    return out
 
 
 def shard_states(out_dir: Path, num_shards: int) -> list[str]:

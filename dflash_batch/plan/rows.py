@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from dflash_batch.io.inputs import Record
+from dflash_batch.io.openai_batch import RequestError, request_fields
 from dflash_batch.job import GRAMMAR_FIELDS, Job, SamplingSpec
 from dflash_batch.plan.buckets import assign_bucket
 from dflash_batch.plan.shards import Shard, hash64, shard_of
@@ -61,6 +62,7 @@ class RowPreparer:
         self.edges = [b.max_tokens for b in job.resolved_buckets()]
         self.base_sampling = job.sampling.model_dump()
         self.keep_text = job.output.include_prompt
+        self.openai = job.input.format == "openai_batch"
 
     def _mine(self, row_id: str) -> bool:
         return self.shard.count == 1 or shard_of(row_id, self.shard.count) == self.shard.index
@@ -68,20 +70,35 @@ class RowPreparer:
     def _all_done(self, row_id: str, n: int) -> bool:
         return all((row_id, i) in self.done for i in range(n))
 
-    def row_id(self, rec: Record) -> tuple[str, str | None]:
-        col = self.spec.id_column
-        if col is None or rec.data is None:
+    def row_id(self, rec: Record, data: dict | None) -> tuple[str, str | None]:
+        col = "custom_id" if self.openai else self.spec.id_column
+        if col is None or data is None:
             return fallback_row_id(rec.source, rec.index), None
-        value = rec.data.get(col)
+        value = data.get(col)
         if isinstance(value, str) and value:
             return value, None
         if isinstance(value, int) and not isinstance(value, bool):
             return str(value), None
         return fallback_row_id(rec.source, rec.index), f"id column {col!r} is {value!r}"
 
+    def _columns(self, rec: Record) -> tuple[dict | None, str | None]:
+        """The record's columns (an OpenAI request line: its fields mapped onto ours, see
+        io/openai_batch.py), and what makes the row an error, if anything."""
+        if rec.error:
+            return None, rec.error
+        if not self.openai:
+            return rec.data, None
+        try:
+            return request_fields(rec.data), None
+        except RequestError as e:
+            return {"custom_id": rec.data.get("custom_id")}, f"line {rec.index + 1}: {e}"
+
     def _sampling(self, data: dict, row: PreparedRow) -> None:
-        overrides = {f: data.get(c) for f, c in self.spec.sampling_columns.items()
-                     if data.get(c) is not None}
+        if self.openai:  # the request body's fields, named as the body names them in errors
+            overrides, names = dict(data["sampling"]), {f: f"body.{b}" for f, b in data["origin"].items()}
+        else:
+            overrides = {f: data.get(c) for f, c in self.spec.sampling_columns.items() if data.get(c) is not None}
+            names = self.spec.sampling_columns
         if not overrides:
             return
         kwargs = overrides.get("chat_template_kwargs")
@@ -95,26 +112,40 @@ class RowPreparer:
             row.overrides = overrides
         except ValidationError as e:
             def where(loc: tuple) -> str:  # the column of a field; a check across fields has none
-                return self.spec.sampling_columns.get(str(loc[0]), str(loc[0])) if loc else "sampling"
+                return names.get(str(loc[0]), str(loc[0])) if loc else "sampling"
             bad = "; ".join(f"{where(x['loc'])}: {x['msg']}" for x in e.errors())
             row.fail("bad_sampling_override", bad)
+
+    def _prompt_source(self, data: dict) -> tuple[str, str, str, Any]:
+        """(kind 'text'|'chat'|'ids', the key holding the prompt, its name in errors, the tools)."""
+        spec = self.spec
+        if self.openai:
+            key = next(k for k in ("messages", "prompt", "input_ids") if k in data)
+            kind = {"messages": "chat", "prompt": "text", "input_ids": "ids"}[key]
+            return kind, key, f"body.{'prompt' if kind == 'ids' else key}", data.get("tools")
+        tools = data.get(spec.tools_column) if spec.tools_column else None
+        if spec.prompt_column:
+            return "text", spec.prompt_column, spec.prompt_column, None
+        if spec.messages_column:
+            return "chat", spec.messages_column, spec.messages_column, tools
+        return "ids", spec.input_ids_column, spec.input_ids_column, None
 
     def _prompt(self, data: dict, row: PreparedRow) -> tuple[str, Any] | None:
         """('text'|'chat'|'ids', value) or None after recording an error."""
         spec = self.spec
-        col = spec.prompt_column or spec.messages_column or spec.input_ids_column
-        value = data.get(col)
+        kind, key, col, tools = self._prompt_source(data)
+        value = data.get(key)
         if value is None:
             row.fail("missing_prompt", f"column {col!r} is missing or null")
             return None
-        if spec.prompt_column:
+        if kind == "text":
             if not isinstance(value, str):
                 row.fail("bad_prompt_type", f"column {col!r} must be a string, got {type(value).__name__}")
             elif not value.strip():
                 row.fail("empty_prompt", f"column {col!r} is empty")
             else:
                 return "text", value
-        elif spec.messages_column:
+        elif kind == "chat":
             if not (isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value)):
                 row.fail("bad_prompt_type", f"column {col!r} must be a list of {{role, content}} messages")
             elif not value:
@@ -123,10 +154,10 @@ class RowPreparer:
                 if spec.system_prompt and value[0].get("role") != "system":
                     value = [{"role": "system", "content": spec.system_prompt}, *value]
                 kwargs = row.sampling.chat_template_kwargs
-                tools = data.get(spec.tools_column) if spec.tools_column else None
                 if tools is not None:
                     if not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-                        row.fail("bad_prompt_type", f"column {spec.tools_column!r} must be a list of tool objects")
+                        where = "body.tools" if self.openai else spec.tools_column
+                        row.fail("bad_prompt_type", f"column {where!r} must be a list of tool objects")
                         return None
                     kwargs = {**kwargs, "tools": tools}
                 try:
@@ -176,16 +207,17 @@ class RowPreparer:
     def prepare(self, records: list[Record]) -> list[PreparedRow]:
         rows, texts, chats = [], [], []
         passthrough = self.spec.passthrough_columns
-        per_row_n = "n" in self.spec.sampling_columns
+        per_row_n = self.spec.rows_may_set("n")
         for rec in records:
-            row_id, id_problem = self.row_id(rec)
+            data, problem = self._columns(rec)
+            row_id, id_problem = self.row_id(rec, data)
             # Skip a row whose samples are all committed; with a per-row n, once its n is known.
             if not self._mine(row_id) or (not per_row_n and self._all_done(row_id, self.job.sampling.n)):
                 continue
-            data = rec.data or {}
+            data = data or {}
             row = PreparedRow(row_id, tuple(map(data.get, passthrough)), self.job.sampling)
-            if rec.error:
-                row.fail("bad_input_line", f"{rec.source}: {rec.error}")
+            if problem:
+                row.fail("bad_request" if rec.error is None else "bad_input_line", f"{rec.source}: {problem}")
             elif id_problem:
                 row.fail("bad_row_id", f"{rec.source} row {rec.index}: {id_problem}")
             else:

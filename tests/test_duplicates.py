@@ -1,0 +1,74 @@
+"""Duplicate ids: found through spill parts (every row of a key in one part, no part holding the
+whole input) with the counts a plain Counter gives; `validate` refuses an input with them,
+naming the ids and their rows, and `status` reports the keys a run committed twice."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from click.testing import CliRunner
+
+from dflash_batch.cli import main
+from dflash_batch.io import spill
+from dflash_batch.plan.shards import Shard
+from dflash_batch.runner import run_job
+from tests.fake_engine import fake_factory
+from tests.jobs_util import base_job, read_out, write_job, write_jsonl
+
+
+def test_spill_parts_regroup_every_key_and_count_like_a_counter(monkeypatch):
+    monkeypatch.setattr(spill, "PART_ROWS", 100)  # spill from 100 rows on, as from 500k in a run
+    rng = random.Random(0)
+    ids = [f"id{rng.randrange(1500)}" for _ in range(2000)]
+    tables = [pa.table({"row_id": ids[i:i + 128], "n": list(range(i, min(i + 128, len(ids))))})
+              for i in range(0, len(ids), 128)]
+    parts = list(spill.by_key(iter(tables), "row_id"))
+    assert len(parts) > 10 and max(p.num_rows for p in parts) < len(ids) / 5
+    seen = [set(p["row_id"].to_pylist()) for p in parts]
+    assert sum(map(len, seen)) == len(set(ids))  # each key in exactly one part
+    assert sorted(n for p in parts for n in p["n"].to_pylist()) == list(range(len(ids)))  # every row once
+
+    counts = Counter(ids)
+    found = spill.duplicates(iter(tables), ["row_id"], "n", examples=3)
+    assert found["count"] == sum(c > 1 for c in counts.values())
+    assert found["rows"] == sum(c for c in counts.values() if c > 1)
+    for e in found["examples"]:
+        assert sorted(e["n_list"]) == [i for i, x in enumerate(ids) if x == e["row_id"]]
+
+
+def test_validate_names_duplicate_ids_and_their_rows(tmp_path, model_dir):
+    write_jsonl(tmp_path / "a.jsonl", [{"id": "x", "prompt": "hi"}, {"id": "y", "prompt": "hi"}])
+    pq.write_table(pa.table({"id": ["z", "x", "x"], "prompt": ["a", "b", "c"]}), tmp_path / "b.parquet")
+    write_job(tmp_path, base_job(model_dir, ["a.jsonl", "b.parquet"]))
+    result = CliRunner().invoke(main, ["validate", str(tmp_path / "job.yaml")])
+    assert result.exit_code == 2, result.output
+    assert "1 id(s) are held by more than one row (3 rows)" in result.output
+    assert "'x' at " in result.output and "a.jsonl#0" in result.output and "b.parquet#2" in result.output
+
+    requests = [{"custom_id": c, "method": "POST", "url": "/v1/completions", "body": {"prompt": "hi"}}
+                for c in ("a", "b", "a")]
+    write_jsonl(tmp_path / "batch.jsonl", requests)
+    doc = base_job(model_dir, ["batch.jsonl"], input={"format": "openai_batch", "prompt_column": None,
+                                                      "id_column": None})
+    write_job(tmp_path, doc, "openai.yaml")
+    result = CliRunner().invoke(main, ["validate", str(tmp_path / "openai.yaml")])
+    assert result.exit_code == 2 and "'a' at batch.jsonl#0, batch.jsonl#2" in result.output, result.output
+
+
+def test_status_reports_keys_committed_twice(tmp_path, model_dir):
+    write_jsonl(tmp_path / "p.jsonl", [{"id": i, "prompt": f"row {i}"} for i in (1, 2, 2, 3, 3, 3)])
+    doc = base_job(model_dir, ["p.jsonl"])
+    run_job(write_job(tmp_path, doc), fake_factory(), Shard(0, 1), progress=False)
+    errors = [r for r in read_out(tmp_path / "out") if r["status"] == "error"]
+    assert sorted((r["row_id"], r["error_type"]) for r in errors) == [("2", "duplicate_id"), ("3", "duplicate_id"),
+                                                                      ("3", "duplicate_id")]
+    result = CliRunner().invoke(main, ["status", str(tmp_path / "out")])
+    assert result.exit_code == 0
+    assert "duplicate ids: shard 0 committed 5 rows under 2 (row_id, sample_index) keys" in result.output
+    write_jsonl(tmp_path / "p.jsonl", [{"id": i, "prompt": f"row {i}"} for i in (1, 2, 3)])
+    doc["output"]["dir"] = "unique"
+    run_job(write_job(tmp_path, doc), fake_factory(), Shard(0, 1), progress=False)
+    assert "duplicate" not in CliRunner().invoke(main, ["status", str(tmp_path / "unique")]).output
