@@ -289,7 +289,8 @@ def export(out_dir: str, dest: str, fmt: str, rows_per_file: int, messages_colum
 @click.option("--where", multiple=True, required=True, help="Rows to run again: error, length (finish_reason), "
               "error_type=NAME; several: any of them.")
 @click.option("--set", "sets", multiple=True, help="FIELD=VALUE (a YAML value) changed from OUT_DIR's job, "
-              "e.g. sampling.max_new_tokens=4096.")
+              "e.g. sampling.max_new_tokens=4096; a sampling field set here also replaces rows' own values "
+              "(sampling_columns, request bodies).")
 @click.option("--output-dir", required=True, type=click.Path(file_okay=False), help="The retry's own directory.")
 def retry(out_dir: str, where: tuple[str, ...], sets: tuple[str, ...], output_dir: str) -> None:
     """Make a new run of the chosen samples of the finished run OUT_DIR: writes OUTPUT_DIR/job.yaml

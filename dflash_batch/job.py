@@ -257,7 +257,7 @@ class RetrySpec(_Strict):
     samples: str = Field(description="Parquet file of the (row_id, sample_index) keys this run generates.")
     where: list[str] = Field(description="What chose them (dflash-batch retry --where).")
     changes: dict[str, Any] = Field(default_factory=dict, description="Job fields set unlike the parent's "
-                                    "(dotted name -> value).")
+                                    "(dotted name -> value); a sampling field here replaces rows' own values.")
 
 
 class Job(_Strict):
@@ -274,6 +274,18 @@ class Job(_Strict):
     output: OutputSpec
     sharding: ShardingSpec = ShardingSpec()
     retry: RetrySpec | None = Field(None, description="Set by `dflash-batch retry`: the run it redoes rows of.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _openai_defaults(cls, data: Any) -> Any:
+        """OpenAI request lines mean OpenAI's defaults where neither the body nor the job says:
+        temperature 1 (ours is 0). Written into the job, so run.json and retries keep it."""
+        if isinstance(data, dict) and isinstance(data.get("input"), dict) and \
+                data["input"].get("format") == "openai_batch":
+            sampling = data.get("sampling") or {}
+            if isinstance(sampling, dict) and "temperature" not in sampling:
+                data = {**data, "sampling": {**sampling, "temperature": 1.0}}
+        return data
 
     @model_validator(mode="after")
     def _buckets_ascending(self) -> Job:

@@ -6,7 +6,8 @@ section naming the parent, its config hash and NEW/retry_samples.parquet, the ch
 runs like any job (`dflash-batch run NEW/job.yaml`, Slurm arrays included): it reads the
 parent's inputs again, so row ids and prompts are the parent's, and generates only the chosen
 (row_id, sample_index) keys, each with the seed it had. `export NEW` merges the parent's rows
-with the retry's, the retry's winning.
+with the retry's, the retry's winning unless it is an error where the parent's was not. A retry
+of a retry chooses from the merged rows of its parents.
 """
 
 from __future__ import annotations
@@ -20,12 +21,15 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import yaml
 
-from dflash_batch.io.ledger import part_files, shard_states
+from dflash_batch.io.export import lineage, merged_rows
+from dflash_batch.io.ledger import shard_states
 from dflash_batch.job import JobError, parse_job
 
-# What decides the rows and their ids: a retry must read the parent's rows as the parent did.
+# What decides the rows, their keys and their seeds: a retry must read the parent's rows as the
+# parent did, and generate the chosen samples under their own seeds.
 FIXED = ("input.paths", "input.format", "input.id_column", "input.prompt_column", "input.messages_column",
-         "input.input_ids_column", "output.dir", "retry")
+         "input.input_ids_column", "input.sampling_columns", "sampling.n", "sampling.seed", "output.dir", "retry")
+PATHS = ("model.target", "model.drafter", "model.tokenizer", "model.chat_template")
 SAMPLES_FILE, JOB_FILE = "retry_samples.parquet", "job.yaml"
 
 
@@ -46,10 +50,15 @@ def _chosen(table: pa.Table, where: list[str]) -> pa.Array:
 
 def _set(doc: dict, field: str, text: str) -> Any:
     """Set a dotted field of the job document to a YAML value; returns the value."""
-    if field in FIXED or any(field.startswith(f"{f}.") for f in FIXED):
-        raise JobError(f"--set {field}: a retry reads the parent's rows as the parent did; {field} cannot "
-                       "change (start a new run for other inputs; --output-dir names the retry's directory)")
+    if "." not in field:
+        raise JobError(f"--set {field}: set one field of a section (e.g. sampling.max_new_tokens), not a section")
+    if any(field == f or field.startswith(f"{f}.") or f.startswith(f"{field}.") for f in FIXED):
+        raise JobError(f"--set {field}: a retry reads the parent's rows and samples as the parent did; {field} "
+                       "cannot change (start a new run for other inputs or samples; --output-dir names the "
+                       "retry's directory)")
     value = yaml.safe_load(text)
+    if field in PATHS and isinstance(value, str) and "://" not in value:
+        value = str(Path(value).expanduser().resolve())  # relative to where retry runs, as a user means it
     *path, last = field.split(".")
     node: Any = doc
     for i, key in enumerate(path):
@@ -91,9 +100,9 @@ def make_retry(parent: Path, where: list[str], sets: list[str], new_dir: Path) -
     doc["retry"] = {"parent": str(parent.resolve()), "parent_hash": record["config_hash"],
                     "samples": str(new_dir / SAMPLES_FILE), "where": list(where), "changes": changes}
     parse_job(doc, "the retry's job (--set)")  # refuses a bad value, naming the field
-    keys = []
-    for part in part_files(parent):
-        t = pq.read_table(part, columns=["row_id", "sample_index", "status", "finish_reason", "error_type"])
+    keys = []  # from the parent's rows as export gives them: a retry of a retry sees its parents'
+    columns = ["row_id", "sample_index", "status", "finish_reason", "error_type"]
+    for t in merged_rows(lineage(parent), grouped=False, columns=columns):
         keys.append(t.filter(_chosen(t, list(where))).select(["row_id", "sample_index"]))
     chosen = pa.concat_tables(keys) if keys else pa.table({"row_id": pa.array([], pa.string()),
                                                            "sample_index": pa.array([], pa.int32())})

@@ -65,8 +65,9 @@ class _Run:
         def asked(field: str) -> bool:  # by the job, or by rows
             return getattr(job.sampling, field) is not None or job.input.rows_may_set(field)
 
-        openai = job.input.format == "openai_batch"  # export writes logprobs' tokens from the ids
-        optional = [c for c, on in (("response_token_ids", job.output.include_token_ids or openai),
+        # logprobs go with the ids of the tokens they score (export writes their text and bytes)
+        with_ids = job.output.include_token_ids or asked("logprobs")
+        optional = [c for c, on in (("response_token_ids", with_ids),
                                     ("rendered_prompt", job.output.include_prompt),
                                     ("reasoning", delimiters is not None)) if on]
         optional += ["logprobs", "top_logprob_ids", "top_logprobs"] * asked("logprobs")
@@ -81,7 +82,8 @@ class _Run:
         self.stop = threading.Event()
         self.tensor_parallel = parallel.world_size() > 1
         self.default_params = self._params(job.sampling)
-        self.grammars = Grammars(tokenizer, engine.vocab_size, list(self.eos)) if asks_for_grammar(job) else None
+        vocab = engine.vocab_size or tokenizer.vocab_size  # a stand-in engine may not say
+        self.grammars = Grammars(tokenizer, vocab, list(self.eos)) if asks_for_grammar(job) else None
 
     # -- rows ----------------------------------------------------------------------------------
     def _base_row(self, row: PreparedRow, sample_index: int, seed: int | None = None) -> dict:

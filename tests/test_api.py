@@ -35,3 +35,14 @@ def test_generate_gives_the_rows_run_gives(tmp_path, model_dir):
     table_job = write_job(tmp_path, {**doc, "output": {**doc["output"], "dir": "table"}}, "table.yaml")
     got = list(dflash_batch.generate(pa.Table.from_pylist(rows), table_job, engine_factory=fake_factory()))
     assert same(got) == want
+
+
+def test_generate_takes_openai_request_lines(tmp_path, model_dir):
+    requests = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+                 "body": {"prompt": f"row {i}", "max_tokens": 3 + i, "n": 1 + i % 2}} for i in range(5)]
+    doc = base_job(model_dir, ["unused.jsonl"], input={"format": "openai_batch", "prompt_column": None,
+                                                       "id_column": None})
+    job = write_job(tmp_path, doc)
+    got = list(dflash_batch.generate(pa.Table.from_pylist(requests), job, engine_factory=fake_factory()))
+    assert sorted((r["row_id"], r["sample_index"], r["completion_tokens"]) for r in got) == sorted(
+        (f"c{i}", s, 3 + i) for i in range(5) for s in range(1 + i % 2))

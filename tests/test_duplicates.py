@@ -20,13 +20,13 @@ from tests.jobs_util import base_job, read_out, write_job, write_jsonl
 
 
 def test_spill_parts_regroup_every_key_and_count_like_a_counter(monkeypatch):
-    monkeypatch.setattr(spill, "PART_ROWS", 100)  # spill from 100 rows on, as from 500k in a run
+    monkeypatch.setattr(spill, "PART_BYTES", 2000)  # spill past 2 kB, as past 256 MiB in a run
     rng = random.Random(0)
     ids = [f"id{rng.randrange(1500)}" for _ in range(2000)]
     tables = [pa.table({"row_id": ids[i:i + 128], "n": list(range(i, min(i + 128, len(ids))))})
               for i in range(0, len(ids), 128)]
     parts = list(spill.by_key(iter(tables), "row_id"))
-    assert len(parts) > 10 and max(p.num_rows for p in parts) < len(ids) / 5
+    assert len(parts) > 10 and max(p.num_rows for p in parts) < len(ids) / 20
     seen = [set(p["row_id"].to_pylist()) for p in parts]
     assert sum(map(len, seen)) == len(set(ids))  # each key in exactly one part
     assert sorted(n for p in parts for n in p["n"].to_pylist()) == list(range(len(ids)))  # every row once

@@ -13,6 +13,7 @@ import torch
 
 from dflash_batch.engine.engine import Engine
 from dflash_batch.io.export import export_openai_batch
+from dflash_batch.io.openai_batch import RequestError, request_fields
 from dflash_batch.job import JobError
 from dflash_batch.plan.shards import Shard
 from dflash_batch.plan.tokenize import Tokenizer
@@ -27,7 +28,7 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required"
           "additionalProperties": False}
 # (custom_id, body fields past the prompt, the same as our sampling fields)
 CASES = [
-    ("greedy", {"max_tokens": 12}, {"max_new_tokens": 12}),
+    ("greedy", {"max_tokens": 12, "temperature": 0}, {"max_new_tokens": 12, "temperature": 0}),
     ("sampled", {"max_completion_tokens": 10, "temperature": 0.9, "top_p": 0.8, "seed": 7, "n": 2},
      {"max_new_tokens": 10, "temperature": 0.9, "top_p": 0.8, "seed": 7, "n": 2}),
     ("penalised", {"max_tokens": 14, "frequency_penalty": 1.5, "presence_penalty": 0.5, "stop": "a",
@@ -55,11 +56,11 @@ def _request(custom_id: str, url: str, prompt, body: dict) -> dict:
     return {"custom_id": custom_id, "method": "POST", "url": url, "body": {"model": "kimi", key: prompt, **body}}
 
 
-def _run(tmp_path, target, engine, name: str, rows: list[dict], **input_section) -> dict:
+def _run(tmp_path, target, engine, name: str, rows: list[dict], sampling: dict | None = None, **input_section) -> dict:
     write_jsonl(tmp_path / f"{name}.jsonl", rows)
     if input_section.get("format") == "openai_batch":  # the lines give the id and the prompt
         input_section |= {"prompt_column": None, "id_column": None}
-    doc = base_job(target, [f"{name}.jsonl"], input={"workers": 0, **input_section},
+    doc = base_job(target, [f"{name}.jsonl"], input={"workers": 0, **input_section}, sampling=sampling or {},
                    model={"dtype": "float64"}, engine={"compile": False},
                    output={"dir": name, "include_token_ids": True})
     run_job(write_job(tmp_path, doc, f"{name}.yaml"), lambda j, t: engine, Shard(0, 1), progress=False)
@@ -89,16 +90,18 @@ def test_requests_run_as_our_own_columns_and_export_parses(tmp_path, pair):
     def ours(rows: list[dict]) -> list[dict]:
         return [{**{k: v for k, v in r.items() if k != "s"}, **{columns[f]: v for f, v in r["s"].items()}}
                 for r in rows]
-    want = _run(tmp_path, target, engine, "chat", ours(chat_rows), prompt_column=None, messages_column="messages",
-                sampling_columns=columns)
-    want |= _run(tmp_path, target, engine, "text", ours(text_rows), sampling_columns=columns)
+    # A body without a temperature samples at OpenAI's default, 1 (ours is 0).
+    t1 = {"temperature": 1.0}
+    want = _run(tmp_path, target, engine, "chat", ours(chat_rows), t1, prompt_column=None,
+                messages_column="messages", sampling_columns=columns)
+    want |= _run(tmp_path, target, engine, "text", ours(text_rows), t1, sampling_columns=columns)
     assert set(got) == set(want) and len(got) == 10
     for key, row in got.items():
         assert row["status"] == "ok", (row["row_id"], row["error"])
         assert {c: row.get(c) for c in GENERATED} == {c: want[key].get(c) for c in GENERATED}, key
         assert row["url"] == (CHAT if key[0].startswith("chat") else COMPLETIONS) and row["model"] == "kimi"
     assert got[("chat-sampled", 0)]["response"] != got[("chat-sampled", 1)]["response"]
-    assert any(r["spec_accepted"] for r in got.values())  # the drafter's tokens were kept
+    assert all(r["spec_rounds"] for r in got.values())  # speculative decoding ran
 
     assert export_openai_batch(tmp_path / "openai", tmp_path / "out.jsonl") == 8
     lines = {x["custom_id"]: x for x in map(orjson.loads, (tmp_path / "out.jsonl").read_bytes().splitlines())}
@@ -122,6 +125,7 @@ def test_requests_run_as_our_own_columns_and_export_parses(tmp_path, pair):
                 assert [e["logprob"] for e in lp["content"]] == s["logprobs"]
                 assert [e["token"] for e in lp["content"]] == [tok.decode([t]) for t in s["response_token_ids"]]
                 assert all(len(e["top_logprobs"]) == 3 for e in lp["content"])
+                assert b"".join(bytes(e["bytes"]) for e in lp["content"]).decode(errors="replace") == s["response"]
             else:
                 assert lp["token_logprobs"] == s["logprobs"] and len(lp["top_logprobs"][0]) <= 3
         else:
@@ -209,3 +213,15 @@ def test_response_format_holds_the_output_to_the_schema(tmp_path, pair):
     row = got[("json", 0)]
     assert row["finish_reason"] == "stop", row
     assert set(orjson.loads(row["response"])) == {"a"}
+
+
+def test_request_fields_follow_openai_where_our_names_differ():
+    chat = request_fields(_request("d", CHAT, [{"role": "developer", "content": "be brief"},
+                                                {"role": "user", "content": "hi"}], {"logprobs": False}))
+    assert [m["role"] for m in chat["messages"]] == ["system", "user"] and chat["sampling"] == {}
+    text = request_fields(_request("c", COMPLETIONS, "hi", {"logprobs": False, "best_of": 2, "n": 2}))
+    assert text["sampling"] == {"n": 2}
+    with pytest.raises(RequestError, match="number of top logprobs"):
+        request_fields(_request("c", COMPLETIONS, "hi", {"logprobs": True}))
+    with pytest.raises(RequestError, match="best_of equal to n"):
+        request_fields(_request("c", COMPLETIONS, "hi", {"best_of": 3}))

@@ -95,6 +95,9 @@ def test_a_retry_of_a_retry_chains(tmp_path, parent):
 @pytest.mark.parametrize("args, message", [
     (["--where", "error", "--set", "input.paths=[x.jsonl]"], "input.paths cannot change"),
     (["--where", "error", "--set", "output.dir=elsewhere"], "output.dir cannot change"),
+    (["--where", "error", "--set", "input={paths: [x.jsonl]}"], "not a section"),
+    (["--where", "error", "--set", "sampling.n=1"], "sampling.n cannot change"),
+    (["--where", "error", "--set", "sampling.seed=3"], "sampling.seed cannot change"),
     (["--where", "errors"], "expected error, length or error_type=NAME"),
     (["--where", "error", "--set", "sampling.temperature=-1"], "sampling.temperature"),
     (["--where", "error", "--set", "sampling.max_new_tokens"], "expected FIELD=VALUE"),
@@ -115,3 +118,48 @@ def test_retry_wants_a_finished_run_and_says_when_nothing_matches(tmp_path, pare
     result = CliRunner().invoke(main, ["retry", str(parent_dir), "--where", "error",
                                        "--output-dir", str(tmp_path / "new")])
     assert result.exit_code == 2 and "have not finished" in result.output
+
+
+def test_a_retry_setting_replaces_the_rows_own_value(tmp_path, model_dir):
+    write_jsonl(tmp_path / "p.jsonl", [{"id": f"r{i}", "prompt": f"row {i}", "budget": 3} for i in range(12)])
+    doc = base_job(model_dir, ["p.jsonl"], input={"sampling_columns": {"max_new_tokens": "budget"}},
+                   sampling={"stop_token_ids": list(range(10, 40))}, output={"dir": "parent"})
+    run_job(write_job(tmp_path, doc, "parent.yaml"), fake_factory(), Shard(0, 1), progress=False)
+    make_retry(tmp_path / "parent", ["length"], ["sampling.max_new_tokens=30"], tmp_path / "retry")
+    run_job(load_job(tmp_path / "retry" / "job.yaml"), fake_factory(), Shard(0, 1), progress=False)
+    retried = keyed(read_out(tmp_path / "retry"))
+    assert retried and max(r["completion_tokens"] for r in retried.values()) > 3
+    whole = {**doc, "input": {**doc["input"], "sampling_columns": {}}, "output": {"dir": "whole"},
+             "sampling": {**doc["sampling"], "max_new_tokens": 30}}
+    run_job(write_job(tmp_path, whole, "whole.yaml"), fake_factory(), Shard(0, 1), progress=False)
+    want = keyed(read_out(tmp_path / "whole"))
+    assert retried == {k: want[k] for k in retried}
+
+
+def test_a_retry_chooses_from_its_parents_merged_rows_and_an_error_keeps_the_parents_answer(tmp_path, parent):
+    parent_dir, _ = parent
+    before = keyed(read_out(parent_dir))
+    make_retry(parent_dir, ["error"], ["engine.max_model_len=2048"], tmp_path / "r1")
+    run_job(load_job(tmp_path / "r1" / "job.yaml"), fake_factory(), Shard(0, 1), progress=False)
+    # r1 holds no length row of its own: r2 chooses the parent's, through the merge
+    samples, _ = make_retry(tmp_path / "r1", ["length"], ["sampling.max_new_tokens=3000"], tmp_path / "r2")
+    lengths = {k for k, r in {**before, **keyed(read_out(tmp_path / "r1"))}.items() if r["finish_reason"] == "length"}
+    assert samples == len(lengths) > 0
+    # 3000 new tokens do not fit r1's max_model_len of 2048: every retried sample fails at preparation
+    run_job(load_job(tmp_path / "r2" / "job.yaml"), fake_factory(), Shard(0, 1), progress=False)
+    r2 = keyed(read_out(tmp_path / "r2"))
+    failed = {k for k, r in r2.items() if r["status"] == "error"}
+    assert failed == set(r2) == lengths and {r["error_type"] for r in r2.values()} == {"max_new_tokens_too_large"}
+    export_dataset(tmp_path / "r2", tmp_path / "hf")
+    merged = keyed(pq.read_table(tmp_path / "hf" / "data").to_pylist())
+    for k in failed:  # the partial answers stay
+        assert merged[k]["status"] == "ok" and merged[k]["finish_reason"] == "length"
+
+
+def test_mixed_passthrough_types_export(tmp_path, model_dir):
+    rows = [{"id": f"r{i}", "prompt": f"row {i}", "meta": i} for i in range(5)]
+    rows += [{"id": f"s{i}", "prompt": f"row {i}", "meta": [i] if i % 2 else "x"} for i in range(5)]
+    write_jsonl(tmp_path / "p.jsonl", rows)
+    doc = base_job(model_dir, ["p.jsonl"], input={"passthrough_columns": ["meta"]})  # parts of 5 rows
+    run_job(write_job(tmp_path, doc), fake_factory(), Shard(0, 1), progress=False)
+    assert export_openai_batch(tmp_path / "out", tmp_path / "out.jsonl") == 10

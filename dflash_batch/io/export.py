@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 
 from dflash_batch.io.card import dataset_card
 from dflash_batch.io.ledger import part_files
-from dflash_batch.io.openai_batch import CHAT_URL, COMPLETIONS_URL, response_line
+from dflash_batch.io.openai_batch import CHAT_URL, COMPLETIONS_URL, RequestError, response_line
 from dflash_batch.io.spill import by_key
 from dflash_batch.job import Job, JobError
 from dflash_batch.plan.tokenize import Tokenizer
@@ -52,38 +52,72 @@ def lineage(out_dir: Path) -> list[tuple[Path, dict]]:
     return chain[::-1]
 
 
+def _bytes(path: Path) -> int:
+    """A Parquet file's rows' size in memory (uncompressed), from its footer."""
+    meta = pq.ParquetFile(path).metadata
+    return sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+
+
+def _merged_schema(paths: list[Path]) -> pa.Schema:
+    """The parts' columns. A column whose types do not unify (a passthrough column the writer
+    kept as JSON text in some parts, outputs.py) is read as text in all of them."""
+    fields: dict[str, list[pa.Field]] = {}
+    for p in paths:
+        for f in pq.read_schema(p).remove_metadata():
+            fields.setdefault(f.name, []).append(f)
+    out = []
+    for name, found in fields.items():
+        try:
+            typ = pa.unify_schemas([pa.schema([f]) for f in found], promote_options="permissive").field(0).type
+        except (pa.ArrowInvalid, pa.ArrowTypeError):
+            typ = pa.string()
+        out.append(pa.field(name, typ))
+    return pa.schema(out)
+
+
 def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
     """`table` in `schema`'s columns and order; a column it lacks comes out null."""
-    return pa.Table.from_arrays([table[f.name].cast(f.type) if f.name in table.column_names
-                                 else pa.nulls(table.num_rows, f.type) for f in schema], schema=schema)
+    arrays = []
+    for f in schema:
+        if f.name not in table.column_names:
+            arrays.append(pa.nulls(table.num_rows, f.type))
+            continue
+        column = table[f.name]
+        if f.type == pa.string() and not pa.types.is_string(column.type):  # as JSON text, as outputs.py does
+            column = pa.array([None if v is None else orjson.dumps(v).decode() for v in column.to_pylist()], pa.string())
+        arrays.append(column.cast(f.type))
+    return pa.Table.from_arrays(arrays, schema=schema)
 
 
-def merged_rows(chain: list[tuple[Path, dict]], grouped: bool) -> Iterator[pa.Table]:
-    """The rows of a run and its retries, each (row_id, sample_index) once, a retry's row in
-    place of its parent's. Streamed part by part when no merge or grouping is needed; else in
-    spill parts by row_id (the samples of a row together, sorted), memory bounded by a part."""
+def merged_rows(chain: list[tuple[Path, dict]], grouped: bool, columns: list[str] | None = None,
+                spill_dir: Path | None = None) -> Iterator[pa.Table]:
+    """The rows of a run and its retries, each (row_id, sample_index) once: the latest run's
+    row, unless it is an error and an earlier run's is not (a retry that failed where its parent
+    had a partial answer keeps the answer). Streamed part by part when there is nothing to merge
+    or group; else in spill parts by row_id (the samples of a row together, sorted), memory
+    bounded by a part. `columns`: only these (default all)."""
     parts = [(gen, p) for gen, (d, _) in enumerate(chain) for p in part_files(d)]
     if len(chain) == 1 and not grouped:
         for _, p in parts:
-            yield pq.read_table(p)
+            yield pq.read_table(p, columns=columns)
         return
-    try:
-        schema = pa.unify_schemas([pq.read_schema(p).remove_metadata() for _, p in parts] or [pa.schema([])],
-                                  promote_options="permissive")
-    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
-        raise JobError(f"{chain[-1][0]}: a retry's columns cannot be merged with its parent's: {e}") from None
-    schema = schema.append(pa.field("_generation", pa.int32()))
+    schema = _merged_schema([p for _, p in parts])
+    if columns is not None:
+        schema = pa.schema([schema.field(c) for c in dict.fromkeys(["row_id", "sample_index", "status", *columns])])
+    schema = schema.append(pa.field("_rank", pa.int64()))
 
     def tagged(gen: int, path: Path) -> pa.Table:
-        table = pq.read_table(path)
-        return _conform(table.append_column("_generation", pa.array([gen] * table.num_rows, pa.int32())), schema)
+        table = pq.read_table(path, columns=[c for c in schema.names if c in pq.read_schema(path).names])
+        rank = pc.subtract(pc.multiply(pc.cast(pc.not_equal(table["status"], "ok"), pa.int64()), 1 << 32), gen)
+        return _conform(table.append_column("_rank", rank), schema)
 
-    for table in by_key((tagged(gen, p) for gen, p in parts), "row_id"):
-        table = table.sort_by([("row_id", "ascending"), ("sample_index", "ascending"), ("_generation", "descending")])
+    for table in by_key((tagged(gen, p) for gen, p in parts), "row_id", sum(_bytes(p) for _, p in parts), spill_dir):
+        table = table.sort_by([("row_id", "ascending"), ("sample_index", "ascending"), ("_rank", "ascending")])
         ids, samples = table["row_id"].to_numpy(zero_copy_only=False), table["sample_index"].to_numpy()
-        first = np.ones(table.num_rows, bool)  # the latest generation of each key comes first
+        first = np.ones(table.num_rows, bool)  # each key's winner sorts first
         first[1:] = (ids[1:] != ids[:-1]) | (samples[1:] != samples[:-1])
-        yield table.filter(pa.array(first)).drop_columns(["_generation"])
+        table = table.filter(pa.array(first)).drop_columns(["_rank"])
+        yield table if columns is None else table.select(columns)
 
 
 def export_dataset(out_dir: Path, dest: Path, rows_per_file: int = 100_000, messages: str | None = None) -> int:
@@ -97,7 +131,7 @@ def export_dataset(out_dir: Path, dest: Path, rows_per_file: int = 100_000, mess
         raise JobError(f"{dest / 'data'} is not empty: export into a new directory")
     writer, index, in_file, written, names = None, 0, 0, 0, []
     ok = rounds = accepted = 0
-    for table in merged_rows(chain, grouped=False):
+    for table in merged_rows(chain, grouped=False, spill_dir=dest):
         if messages is not None:
             table = table.append_column("messages", _messages(table, messages))
         ok += pc.sum(pc.equal(table["status"], "ok")).as_py() or 0
@@ -136,20 +170,24 @@ def export_openai_batch(out_dir: Path, dest: Path) -> int:
     created = int((chain[-1][0] / "run.json").stat().st_mtime)
     tokenizer = None
 
-    def token_text(token: int) -> str:
+    def token(t: int) -> tuple[str, bytes]:
         nonlocal tokenizer
         if tokenizer is None:  # only for logprobs
             tokenizer = Tokenizer(job.model.tokenizer or job.model.target, job.model.chat_template)
-        return tokenizer.decode([token])
+        return tokenizer.decode([t]), tokenizer.token_bytes(t)
 
     lines = 0
     tmp = dest.with_name(f".{dest.name}.tmp")
-    with open(tmp, "wb") as f:
-        for table in merged_rows(chain, grouped=True):
-            rows = table.to_pylist()
-            for _, samples in groupby(rows, key=lambda r: r["row_id"]):
-                f.write(response_line(list(samples), default_url, Path(job.model.target).name, created, token_text))
-                lines += 1
+    try:
+        with open(tmp, "wb") as f:
+            for table in merged_rows(chain, grouped=True, spill_dir=dest.parent):
+                rows = (row for batch in table.to_batches(1024) for row in batch.to_pylist())
+                for _, samples in groupby(rows, key=lambda r: r["row_id"]):
+                    f.write(response_line(list(samples), default_url, Path(job.model.target).name, created, token))
+                    lines += 1
+    except RequestError as e:
+        tmp.unlink()
+        raise JobError(f"{out_dir}: {e}") from None
     tmp.rename(dest)
     return lines
 

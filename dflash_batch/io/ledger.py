@@ -279,8 +279,8 @@ def write_shard_stats(out_dir: Path, index: int, complete: bool) -> dict[str, di
     stats = bucket_stats(pq.read_table(f, columns=STAT_COLUMNS) for f in files)
     record = {"shard": index, "complete": complete, "buckets": stats}
     if complete:
-        record["duplicate_keys"] = duplicates((pq.read_table(f, columns=["row_id", "sample_index"]) for f in files),
-                                              ["row_id", "sample_index"])
+        keys = ["row_id", "sample_index"]
+        record["duplicate_keys"] = duplicates((pq.read_table(f, columns=keys) for f in files), keys, spill_dir=out_dir)
     (out_dir / "stats").mkdir(exist_ok=True)
     atomic_write_bytes(out_dir / "stats" / f"shard-{index:05d}.json", orjson.dumps(record, option=orjson.OPT_INDENT_2))
     return stats

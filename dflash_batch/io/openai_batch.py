@@ -66,8 +66,9 @@ def request_fields(line: dict) -> dict[str, Any]:
     if prompt_key not in body:
         raise RequestError(f"body.{prompt_key} is missing")
     prompt = body[prompt_key]
-    if chat:
-        out["messages"] = prompt
+    if chat:  # OpenAI's newer `developer` role is what chat templates know as `system`
+        out["messages"] = [{**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m
+                           for m in prompt] if isinstance(prompt, list) else prompt
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
         out["input_ids"] = prompt
     elif isinstance(prompt, list) and len(prompt) == 1:
@@ -95,9 +96,13 @@ def request_fields(line: dict) -> dict[str, Any]:
                 raise RequestError("body.echo: true is not supported (the prompt is not repeated in the text)")
         elif name == "best_of" and not chat:
             if value != body.get("n", 1):
-                raise RequestError("body.best_of: only best_of == n (no ranking of extra samples)")
+                raise RequestError("body.best_of: only best_of equal to n (no ranking of extra samples)")
         elif name == "logprobs" and not chat:
-            put("logprobs", value, name)
+            if isinstance(value, bool):  # legacy completions: an int K, or null
+                if value:
+                    raise RequestError("body.logprobs: the completions API takes the number of top logprobs (0-20)")
+            else:
+                put("logprobs", value, name)
         elif name == "logprobs" and chat:
             if not isinstance(value, bool):
                 raise RequestError(f"body.logprobs must be true or false, got {value!r}")
@@ -136,8 +141,10 @@ def _response_format(value: Any, put) -> None:
 _SERVER_ERRORS = ("non_finite_logits", "grammar_error", "out_of_memory", "engine_")
 
 
-def response_line(samples: list[dict], default_url: str, default_model: str, created: int,
-                  token_text: Callable[[int], str] | None) -> bytes:
+Token = Callable[[int], tuple[str, bytes]]  # a token id's text and bytes (logprobs)
+
+
+def response_line(samples: list[dict], default_url: str, default_model: str, created: int, token: Token) -> bytes:
     """The output line of one request from its samples' output rows (sample_index order): the
     choices and usage, or, when a sample failed, the error of the first that did."""
     first = samples[0]
@@ -151,7 +158,7 @@ def response_line(samples: list[dict], default_url: str, default_model: str, cre
                           else "server_error", "param": None, "code": failed["error_type"]}}
     else:
         chat = url == CHAT_URL
-        choices = [_chat_choice(s, token_text) if chat else _text_choice(s, token_text) for s in samples]
+        choices = [_chat_choice(s, token) if chat else _text_choice(s, token) for s in samples]
         completion = sum(s["completion_tokens"] for s in samples)
         body = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{request}",
                 "object": "chat.completion" if chat else "text_completion", "created": created,
@@ -169,27 +176,38 @@ def _finish(s: dict) -> str:
     return "length" if s["finish_reason"] == "length" else "stop"
 
 
-def _chat_choice(s: dict, token_text: Callable[[int], str] | None) -> dict:
+def _ids(s: dict) -> list[int]:
+    if s.get("response_token_ids") is None:
+        raise RequestError(f"row {s['row_id']!r} has logprobs but no response_token_ids (a run before dflash-batch "
+                           "wrote them with logprobs): rerun it with output.include_token_ids: true")
+    return s["response_token_ids"]
+
+
+def _chat_choice(s: dict, token: Token) -> dict:
     message = {"role": "assistant", "content": s["response"]}
     if s.get("reasoning") is not None:
         message["reasoning_content"] = s["reasoning"]
     logprobs = None
     if s.get("logprobs") is not None:
-        def entry(token: int, lp: float) -> dict:
-            text = token_text(token)
-            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+        def entry(t: int, lp: float) -> dict:
+            text, raw = token(t)
+            return {"token": text, "logprob": lp, "bytes": list(raw)}
         logprobs = {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in zip(ids, top)]}
-                                for t, lp, ids, top in zip(s["response_token_ids"], s["logprobs"],
+                                for t, lp, ids, top in zip(_ids(s), s["logprobs"],
                                                            s["top_logprob_ids"], s["top_logprobs"])]}
     return {"index": s["sample_index"], "message": message, "logprobs": logprobs, "finish_reason": _finish(s)}
 
 
-def _text_choice(s: dict, token_text: Callable[[int], str] | None) -> dict:
+def _text_choice(s: dict, token: Token) -> dict:
     logprobs = None
     if s.get("logprobs") is not None:
-        tokens = [token_text(t) for t in s["response_token_ids"]]
-        offsets = list(accumulate((len(t) for t in tokens[:-1]), initial=0)) if tokens else []
-        logprobs = {"tokens": tokens, "token_logprobs": s["logprobs"], "text_offset": offsets,
-                    "top_logprobs": [{token_text(i): v for i, v in zip(ids, top)}
+        texts = [token(t)[0] for t in _ids(s)]
+        offsets = list(accumulate((len(t) for t in texts[:-1]), initial=0)) if texts else []
+        logprobs = {"tokens": texts, "token_logprobs": s["logprobs"], "text_offset": offsets,
+                    "top_logprobs": [{token(i)[0]: v for i, v in zip(ids, top)}
                                      for ids, top in zip(s["top_logprob_ids"], s["top_logprobs"])]}
-    return {"index": s["sample_index"], "text": s["response"], "logprobs": logprobs, "finish_reason": _finish(s)}
+    choice = {"index": s["sample_index"], "text": s["response"] or "", "logprobs": logprobs,
+              "finish_reason": _finish(s)}
+    if s.get("reasoning") is not None:  # output.split_reasoning: the answer is `text`
+        choice["reasoning_content"] = s["reasoning"]
+    return choice

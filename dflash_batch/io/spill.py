@@ -18,8 +18,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-PART_ROWS = 500_000  # up to this many rows are regrouped in memory; more are spilled to parts
-SPILL_PARTS = 256
+PART_BYTES = 256 << 20  # up to this many bytes of rows are regrouped in memory; more are spilled
+SPILL_PARTS = 256  # parts at the least, when spilling
 
 
 def key_hashes(keys: pa.Array | pa.ChunkedArray, parts: int) -> np.ndarray:
@@ -27,57 +27,56 @@ def key_hashes(keys: pa.Array | pa.ChunkedArray, parts: int) -> np.ndarray:
     return np.fromiter((zlib.crc32(str(k).encode()) % parts for k in keys.to_pylist()), np.int64, len(keys))
 
 
-def by_key(tables: Iterable[pa.Table], key: str, parts: int | None = None) -> Iterator[pa.Table]:
-    """Each part of the rows of `tables` (one schema), split by `key`. `parts` None: one part,
-    in memory, when the rows are at most PART_ROWS, else SPILL_PARTS (a stream's length is not
-    known ahead): a part then holds under PART_ROWS rows up to SPILL_PARTS * PART_ROWS rows (128M).
-    The spill files live in a temporary directory removed at the end."""
+def by_key(tables: Iterable[pa.Table], key: str, total_bytes: int | None = None,
+           spill_dir: Path | None = None) -> Iterator[pa.Table]:
+    """Each part of the rows of `tables` (one schema), split by `key`. Rows of at most
+    PART_BYTES make one part, in memory; more are spilled to parts of about PART_BYTES each
+    (`total_bytes`: their size if known; else SPILL_PARTS parts, under PART_BYTES each up to 64 GiB
+    of rows). The spill files (zstd Arrow streams) live in a temporary directory in `spill_dir`
+    (default: TMPDIR), removed at the end, however the caller stops."""
     tables = iter(tables)
-    if parts is None:
-        head, rows = [], 0
-        for table in tables:
-            head.append(table)
-            rows += table.num_rows
-            if rows > PART_ROWS:
-                break
-        else:  # all of it fits one part
-            if head:
-                yield pa.concat_tables(head)
-            return
-        tables, parts = chain(head, tables), SPILL_PARTS
-    elif parts == 1:
-        tables = list(tables)
-        if tables:
-            yield pa.concat_tables(tables)
+    head, size = [], 0
+    for table in tables:
+        head.append(table)
+        size += table.nbytes
+        if size > PART_BYTES:
+            break
+    else:  # all of it fits one part
+        if head:
+            yield pa.concat_tables(head)
         return
-    with tempfile.TemporaryDirectory(prefix="dflash-spill-") as tmp:
+    parts = max(SPILL_PARTS, (total_bytes or 0) // PART_BYTES + 1)
+    options = pa.ipc.IpcWriteOptions(compression="zstd")
+    with tempfile.TemporaryDirectory(prefix="dflash-spill-", dir=spill_dir) as tmp:
         # Arrow IPC streams: batches appended as they come, no footer growing with every write.
         files = [Path(tmp) / f"{i}.arrows" for i in range(parts)]
         writers: list[pa.ipc.RecordBatchStreamWriter | None] = [None] * parts
         try:
-            for table in tables:
+            for table in chain(head, tables):
                 part = key_hashes(table[key], parts)
                 for i in np.unique(part):
                     if writers[i] is None:
-                        writers[i] = pa.ipc.new_stream(files[i], table.schema)
+                        writers[i] = pa.ipc.new_stream(files[i], table.schema, options=options)
                     writers[i].write_table(table.filter(pa.array(part == i)))
         finally:
             for w in writers:
                 if w is not None:
                     w.close()
+        del head
         for i, w in enumerate(writers):
             if w is not None:
                 with pa.ipc.open_stream(files[i]) as reader:
                     yield reader.read_all()
 
 
-def duplicates(tables: Iterable[pa.Table], keys: list[str], detail: str | None = None, examples: int = 5) -> dict:
+def duplicates(tables: Iterable[pa.Table], keys: list[str], detail: str | None = None, examples: int = 5,
+               spill_dir: Path | None = None) -> dict:
     """{count: keys held by more than one row, rows: the rows holding them, examples: the first
     few keys (each with the list of its rows' `detail` values)}, the rows split by keys[0] into
     spill parts."""
     count = rows = 0
     found: list[dict] = []
-    for part in by_key(tables, keys[0]):
+    for part in by_key(tables, keys[0], spill_dir=spill_dir):
         counts = part.group_by(keys).aggregate([(keys[0], "count")])
         dup = counts.filter(pc.greater(counts[f"{keys[0]}_count"], 1))
         count, rows = count + dup.num_rows, rows + (pc.sum(dup[f"{keys[0]}_count"]).as_py() or 0)

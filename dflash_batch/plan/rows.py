@@ -63,6 +63,8 @@ class RowPreparer:
         self.base_sampling = job.sampling.model_dump()
         self.keep_text = job.output.include_prompt
         self.openai = job.input.format == "openai_batch"
+        changed = job.retry.changes if job.retry else {}
+        self.retry_sets = {k.split(".")[1] for k in changed if k.startswith("sampling.")}
 
     def _mine(self, row_id: str) -> bool:
         return self.shard.count == 1 or shard_of(row_id, self.shard.count) == self.shard.index
@@ -99,6 +101,8 @@ class RowPreparer:
         else:
             overrides = {f: data.get(c) for f, c in self.spec.sampling_columns.items() if data.get(c) is not None}
             names = self.spec.sampling_columns
+        for field in self.retry_sets:  # a retry's --set sampling.X wins over the row's own X
+            overrides.pop(field, None)
         if not overrides:
             return
         kwargs = overrides.get("chat_template_kwargs")

@@ -49,6 +49,14 @@ def _read_json(path: Path) -> dict:
         raise JobError(f"{path}: not valid JSON: {e}") from None
 
 
+def byte_of_char() -> dict[str, int]:
+    """Inverse of the byte-level alphabet: printable bytes stand for themselves, the others
+    for code points from 256 up (GPT-2's mapping)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    moved = [b for b in range(256) if b not in kept]
+    return {**{chr(b): b for b in kept}, **{chr(256 + i): b for i, b in enumerate(moved)}}
+
+
 class Tokenizer:
     """encode/decode plus the chat template and special tokens of one tokenizer directory."""
 
@@ -78,6 +86,11 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._backend.decode(ids)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one token stands for (b"" for a special token): a token that holds part of
+        a UTF-8 character has them though its decoded text cannot (OpenAI logprobs' `bytes`)."""
+        return self._backend.token_bytes(token)
 
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
@@ -121,6 +134,7 @@ class _HFBackend:
 
         self.tok = tokenizers.Tokenizer.from_file(str(path))
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        self._byte_level: bool | None = None  # token_bytes: known at its first call
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
         return [e.ids for e in self.tok.encode_batch_fast(texts, add_special_tokens=add_special_tokens)]
@@ -137,6 +151,19 @@ class _HFBackend:
 
     def token_to_id(self, token: str) -> int | None:
         return self.tok.token_to_id(token)
+
+    def token_bytes(self, token: int) -> bytes:
+        spelled = self.tok.id_to_token(token)
+        if spelled is None or not self.decode([token]):  # unassigned, or special
+            return b""
+        if self._byte_level is None:  # how the vocabulary spells bytes: GPT-2's alphabet or <0xNN> pieces
+            self._byte_level = "ByteLevel" in json.dumps(json.loads(self.tok.to_str()).get("decoder"))
+            self._byte_of = byte_of_char()
+        if self._byte_level:
+            return bytes(self._byte_of[c] for c in spelled)
+        if len(spelled) == 6 and spelled.startswith("<0x") and spelled.endswith(">"):
+            return bytes([int(spelled[3:5], 16)])
+        return spelled.replace("\u2581", " ").encode()
 
 
 class _TiktokenBackend:
@@ -171,12 +198,13 @@ class _TiktokenBackend:
         return self.enc.decode([i for i in ids if i not in self.special_ids])
 
     def token_table(self) -> list[str | bytes]:
-        def spelled(i: int) -> bytes:
-            try:
-                return b"" if i in self.special_ids else self.enc.decode_single_token_bytes(i)
-            except KeyError:  # an id the encoding leaves unassigned
-                return b""
-        return [spelled(i) for i in range(self.vocab_size)]
+        return [self.token_bytes(i) for i in range(self.vocab_size)]
+
+    def token_bytes(self, token: int) -> bytes:
+        try:
+            return b"" if token in self.special_ids else self.enc.decode_single_token_bytes(token)
+        except KeyError:  # an id the encoding leaves unassigned
+            return b""
 
     def token_to_id(self, token: str) -> int | None:
         try:

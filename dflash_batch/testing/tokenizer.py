@@ -10,6 +10,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from dflash_batch.plan.tokenize import byte_of_char
+
 SPECIAL = ["<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 
 CHAT_TEMPLATE = (
@@ -63,14 +65,6 @@ def make_tokenizer_dir(d: Path, vocab_size: int = 400, corpus: list[str] | None 
     return d
 
 
-def _byte_of_char() -> dict[str, int]:
-    """Inverse of the byte-level alphabet: printable bytes stand for themselves, the others
-    for code points from 256 up (GPT-2's mapping)."""
-    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    moved = [b for b in range(256) if b not in kept]
-    return {**{chr(b): b for b in kept}, **{chr(256 + i): b for i, b in enumerate(moved)}}
-
-
 def make_tiktoken_dir(d: Path, vocab_size: int = 400, corpus: list[str] | None = None) -> Path:
     """The same trained BPE in Kimi's layout: tiktoken.model (base64 token, rank) plus
     tokenizer_config.json with the specials in added_tokens_decoder."""
@@ -78,7 +72,7 @@ def make_tiktoken_dir(d: Path, vocab_size: int = 400, corpus: list[str] | None =
     spec = json.loads((hf / "tokenizer.json").read_text())
     config = json.loads((hf / "tokenizer_config.json").read_text())
     shutil.rmtree(hf)
-    byte_of = _byte_of_char()
+    byte_of = byte_of_char()
     specials = [t["content"] for t in spec["added_tokens"]]
     merged = sorted((i, t) for t, i in spec["model"]["vocab"].items() if t not in specials and len(t) > 1)
     ranks = [bytes([b]) for b in range(256)] + [bytes(byte_of[ch] for ch in t) for _, t in merged]
