@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 
+from dflash_batch.plan.memory import planned_expert_bytes
+
 H, LAYERS, VOCAB = 7168, 93, 163840
 MLA, KDA = 24, 69
 KDA_HEADS, KDA_D, CONV = 96, 128, 4
@@ -19,10 +21,12 @@ EXPERTS, TOPK, MOE_I, LATENT, SHARED_I, DENSE_I = 896, 16, 3072, 3584, 6144, 337
 DRAFT_LAYERS, DRAFT_HEADS, DRAFT_I, BLOCK, TAPS, SEL_R = 5, 64, 14336, 8, 5, 256
 BF16, F32 = 2, 4
 GB = 1e9
+EXPERT_CONFIG = dict(num_hidden_layers=LAYERS, first_k_dense_replace=1, moe_layer_freq=1, num_experts=EXPERTS,
+                     moe_intermediate_size=MOE_I, routed_expert_hidden_size=LATENT)
 
 
 def weights_per_rank(tp: int) -> dict[str, float]:
-    """Bytes per rank: replicated tensors whole, sharded ones / tp, experts in MXFP4 (4.25 bits)."""
+    """Bytes per rank: replicated tensors whole, sharded ones / tp, experts packed in MXFP4 (4.25 bits)."""
     mla_sharded = MLA_HEADS * (NOPE + ROPE) * Q_LORA + MLA_HEADS * (NOPE + V) * KV_LORA + 2 * MLA_HEADS * V * H
     mla_repl = (Q_LORA + KV_LORA + ROPE) * H
     kda_sharded = 4 * KDA_HEADS * KDA_D * H + KDA_HEADS * KDA_D * KDA_D + KDA_HEADS * H + KDA_HEADS * KDA_D * H
@@ -32,7 +36,7 @@ def weights_per_rank(tp: int) -> dict[str, float]:
     sharded = (MLA * mla_sharded + KDA * kda_sharded + (LAYERS - 1) * shared + 3 * DENSE_I * H
                + 2 * VOCAB * H) * BF16 / tp
     replicated = (MLA * mla_repl + KDA * kda_repl + (LAYERS - 1) * moe_repl) * BF16
-    experts = (LAYERS - 1) * EXPERTS * 3 * MOE_I * LATENT * 4.25 / 8 / tp
+    experts = planned_expert_bytes(EXPERT_CONFIG, tp)  # the loader keeps them packed (tests/test_memory_plan.py)
     draft_attn = DRAFT_HEADS * (NOPE + ROPE) * Q_LORA + DRAFT_HEADS * (NOPE + V) * KV_LORA + DRAFT_HEADS * V * H
     draft_sharded = DRAFT_LAYERS * (draft_attn + 3 * DRAFT_I * H) * BF16 / tp
     draft_repl = (TAPS * H * H + DRAFT_LAYERS * ((Q_LORA + KV_LORA + ROPE) * H + 4 * 2 * 2 * (H // 16) * H)
@@ -52,18 +56,18 @@ def main() -> None:
     draft_token = DRAFT_LAYERS * (KV_LORA + ROPE) * BF16
     heads = KDA_HEADS // tp
     kda_state = KDA * (heads * KDA_D * KDA_D * F32 + 3 * heads * KDA_D * (CONV - 1) * BF16)
-    staged = BLOCK * KDA * heads * KDA_D * KDA_D * F32      # a state per verify row
-    replay = BLOCK * KDA * (3 * heads * KDA_D + heads * KDA_D + heads) * BF16  # raw qkv, gate, beta
+    staged = BLOCK * KDA * heads * KDA_D * KDA_D * F32      # a state per verify row (before replay)
+    replay = BLOCK * KDA * (3 * heads * KDA_D * BF16 + (heads * KDA_D + heads) * F32)  # raw qkv; gate, beta
     print(f"per token, per rank: MLA latent {mla_token:,} B, drafter latent {draft_token:,} B")
     print(f"per sequence, per rank: KDA state {kda_state / 1e6:.1f} MB; verify staging "
-          f"{staged / 1e6:.0f} MB per-row states vs {replay / 1e6:.1f} MB replay inputs")
+          f"{replay / 1e6:.1f} MB replay inputs (per-row states, before replay: {staged / 1e6:.0f} MB)")
     w = weights_per_rank(tp)
     for k, v in w.items():
         print(f"weights per rank, {k}: {v / GB:.1f} GB")
     free = args.gpu_gb * GB - sum(w.values()) - args.reserve_gb * GB
     print(f"weights total {sum(w.values()) / GB:.1f} GB; left for caches on a {args.gpu_gb:.0f} GB GPU: "
           f"{free / GB:.1f} GB (after {args.reserve_gb:.0f} GB reserve)")
-    print(f"{'bucket':>7} {'GB/seq (replay)':>16} {'max_num_seqs':>13} {'GB/seq (staged)':>16} {'max_num_seqs':>13}")
+    print(f"{'bucket':>7} {'GB/seq':>16} {'max_num_seqs':>13} {'GB/seq (before)':>16} {'max_num_seqs':>13}")
     for ctx in (8192, 32768, 65536, 131072):
         per = ctx * (mla_token + draft_token) + kda_state
         print(f"{ctx // 1024:>6}k {(per + replay) / GB:>16.2f} {int(free // (per + replay)):>13} "

@@ -5,6 +5,8 @@
     accept.py   acceptance (longest matching prefix + bonus, stop tokens, budgets) and the next anchor
     prepare.py  a round's positions, cache slots and draft ids from the decoding state
     scatter.py  paged K/V and latent cache writes, slot -1 skipped
+    attn_res.py Kimi-K3's block attention residual mix
+    moe_mxfp4.py routed MoE experts (SiTU) straight from MXFP4 weights
 
 `ops(device)` picks the Triton versions on CUDA devices (when Triton is installed) and the torch
 references everywhere else; tests run the Triton versions on CPU under TRITON_INTERPRET=1.
@@ -18,14 +20,16 @@ import torch
 
 from kernels import _triton
 from kernels.accept import accept_torch, accept_triton
+from kernels.attn_res import attn_res_torch, attn_res_triton
+from kernels.moe_mxfp4 import moe_mxfp4_torch, moe_mxfp4_triton
 from kernels.prepare import prepare_torch, prepare_triton
 from kernels.sample import sample_torch, sample_triton
 from kernels.scatter import scatter_torch, scatter_triton
 
 TORCH = SimpleNamespace(name="torch", sample=sample_torch, accept=accept_torch, prepare=prepare_torch,
-                        scatter=scatter_torch)
+                        scatter=scatter_torch, attn_res=attn_res_torch, moe_mxfp4=moe_mxfp4_torch)
 TRITON = SimpleNamespace(name="triton", sample=sample_triton, accept=accept_triton, prepare=prepare_triton,
-                         scatter=scatter_triton)
+                         scatter=scatter_triton, attn_res=attn_res_triton, moe_mxfp4=moe_mxfp4_triton)
 
 
 def ops(device: torch.device | str) -> SimpleNamespace:

@@ -115,10 +115,11 @@ def test_state_slots_start_clean_when_reused(pairs):
 
 @pytest.mark.numerics
 # -- tensor parallel -------------------------------------------------------------------------------
-def test_tp2_equals_tp1(pairs, tmp_path):
+def test_tp2_equals_tp1(tmp_path):
     # Each rank holds 2 of 4 KDA heads, 2 of 4 MLA heads (target and drafter), half of every
-    # expert's intermediate width and 48 of the 96 vocabulary rows.
-    target, drafter = pairs["attn_res"]
+    # expert's intermediate width (32 columns of each packed MXFP4 w2: whole scale groups) and 48
+    # of the 96 vocabulary rows.
+    target, drafter = make_kimi_pair(tmp_path / "pair", stream="attn_res", moe_intermediate_size=64)
     prompts = random_prompts([1, 37, 20], vocab=VOCAB, seed=6)
     runs = {"greedy": dict(max_new_tokens=24),
             "sampled": dict(max_new_tokens=24, temperature=1.0, top_p=0.95)}

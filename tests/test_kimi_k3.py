@@ -108,3 +108,65 @@ def test_verify_then_commit_equals_token_by_token(checkpoint, dtype):
         expect = load(checkpoint, dtype=dtype)
         forward(expect, ids + block[:n], 0)
         assert_close(after, forward(expect, [probe], len(ids) + n)[0])
+
+
+def staged_states(layer, x: torch.Tensor, rows: torch.Tensor, slot: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The commit before replay, as an oracle: a verify kept (state, conv window) after every
+    row, computed one row at a time from the committed state."""
+    from dflash_batch.models.layers.kda import kda_gate, kda_recurrent, l2norm, short_conv
+    from dflash_batch.models.layers.dtypes import wide
+
+    H, d = layer.heads, layer.d
+    raw = torch.cat([layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)], dim=-1)[rows]
+    weight = torch.cat([layer.q_conv1d.weight, layer.k_conv1d.weight, layer.v_conv1d.weight])[:, 0]
+    g = kda_gate(layer.f_b_proj(layer.f_a_proj(x)).view(-1, H, d), layer.A_log, layer.dt_bias, layer.lower_bound)[rows]
+    beta = torch.sigmoid(wide(layer.b_proj(x)))[rows]
+    conv_in, S = layer.conv_state[slot].clone(), layer.state[slot].clone()
+    mixed, _ = short_conv(raw, weight, conv_in)
+    q, k, v = (t.view(-1, H, d) for t in mixed.split(H * d, dim=-1))
+    q, k = l2norm(q), l2norm(k)
+    out = []
+    for j in range(len(rows)):
+        _, S = kda_recurrent(q[j:j + 1], k[j:j + 1], v[j:j + 1], g[j:j + 1], beta[j:j + 1], S)
+        window = torch.cat([conv_in, raw[:j + 1].T.to(conv_in.dtype)], dim=-1)
+        out.append((S, window[:, -(layer.kernel - 1):]))
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
+def test_replay_commit_equals_the_staged_states(checkpoint, dtype):
+    """Two sequences verify 8 rows at once; for every pair of accepted lengths the replayed
+    commit leaves each KDA layer's state and conv window the staged commit kept for that row:
+    to the bit in float64, to float32 rounding in float32."""
+    model = load_model(checkpoint, dtype)
+    model.allocate_cache(len(PAGES) * PAGE, dtype, "cpu")
+    model.allocate_state(3, 2, 8, "cpu")
+    prompts = [prompt(11, model.vocab_size, seed=4), prompt(17, model.vocab_size, seed=5)]
+    for slot, ids in enumerate(prompts):
+        pages = PAGES[slot * 20:(slot + 1) * 20]
+        model(torch.tensor(ids), build_meta([SeqRows(pages, 0, len(ids), len(ids))], PAGE, None, "cpu", [slot], False))
+    blocks = [prompt(8, model.vocab_size, seed=6), prompt(8, model.vocab_size, seed=7)]
+    seqs = [SeqRows(PAGES[s * 20:(s + 1) * 20], len(p), 8, len(p) + 8) for s, p in enumerate(prompts)]
+    meta = build_meta(seqs, PAGE, None, "cpu", [0, 1], True)
+    inputs = {}
+    kda = [layer.self_attn for layer in model.model.layers if layer.is_kda]
+    hooks = [a.register_forward_pre_hook(lambda m, args: inputs.__setitem__(m, args[0])) for a in kda]
+    model(torch.tensor(blocks[0] + blocks[1]), meta)
+    for h in hooks:
+        h.remove()
+    staged = {a: [staged_states(a, inputs[a], meta.q_index[b][meta.q_index[b] < 16], b) for b in range(2)]
+              for a in kda}
+    saved = {a: (a.state.clone(), a.conv_state.clone()) for a in kda}
+    for kept in [(n, 9 - n) for n in range(1, 9)]:  # every accepted length 0..7 (kept = accepted + 1)
+        for a in kda:
+            a.state.copy_(saved[a][0])
+            a.conv_state.copy_(saved[a][1])
+        model.commit(torch.tensor([0, 1]), torch.tensor(kept))
+        for a in kda:
+            for b in range(2):
+                state, conv = staged[a][b][kept[b] - 1]
+                if dtype == torch.float64:
+                    assert torch.equal(a.state[b], state) and torch.equal(a.conv_state[b], conv), (kept, b)
+                else:
+                    assert_close(a.state[b], state, rel=1e-6)
+                    assert torch.equal(a.conv_state[b], conv)

@@ -18,7 +18,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-PART_BYTES = 256 << 20  # up to this many bytes of rows are regrouped in memory; more are spilled
+# Up to this many bytes of rows are regrouped in memory (a group_by's hash table takes several
+# times that); more are spilled.
+PART_BYTES = 32 << 20
 SPILL_PARTS = 256  # parts at the least, when spilling
 
 
@@ -31,7 +33,7 @@ def by_key(tables: Iterable[pa.Table], key: str, total_bytes: int | None = None,
            spill_dir: Path | None = None) -> Iterator[pa.Table]:
     """Each part of the rows of `tables` (one schema), split by `key`. Rows of at most
     PART_BYTES make one part, in memory; more are spilled to parts of about PART_BYTES each
-    (`total_bytes`: their size if known; else SPILL_PARTS parts, under PART_BYTES each up to 64 GiB
+    (`total_bytes`: their size if known; else SPILL_PARTS parts, under PART_BYTES each up to 8 GiB
     of rows). The spill files (zstd Arrow streams) live in a temporary directory in `spill_dir`
     (default: TMPDIR), removed at the end, however the caller stops."""
     tables = iter(tables)
@@ -54,10 +56,12 @@ def by_key(tables: Iterable[pa.Table], key: str, total_bytes: int | None = None,
         try:
             for table in chain(head, tables):
                 part = key_hashes(table[key], parts)
-                for i in np.unique(part):
+                order = np.argsort(part, kind="stable")  # one gather, then each part a zero-copy slice
+                table, bounds = table.take(pa.array(order)), np.searchsorted(part[order], np.arange(parts + 1))
+                for i in np.flatnonzero(np.diff(bounds)):
                     if writers[i] is None:
                         writers[i] = pa.ipc.new_stream(files[i], table.schema, options=options)
-                    writers[i].write_table(table.filter(pa.array(part == i)))
+                    writers[i].write_table(table.slice(bounds[i], bounds[i + 1] - bounds[i]))
         finally:
             for w in writers:
                 if w is not None:

@@ -5,8 +5,9 @@ State a sequence keeps between forwards:
 - MLA layers: one latent row [RMSNorm(c_kv) | k_pe] per token in a paged cache (no RoPE anywhere);
 - KDA layers: a conv window (last kernel-1 raw q/k/v inputs) and a float32 delta-rule state, in a
   pool indexed by the sequence's state slot. A prefill forward updates the pool in place; a verify
-  forward (meta.stage) leaves it alone and stages the state after every row, and `commit` copies
-  the one at the accepted length.
+  forward (meta.stage) leaves it alone and keeps each row's raw inputs (projections, gate, beta),
+  and `commit` replays the accepted rows from the committed state: a row costs 4*H*d + H values
+  instead of a [H, d, d] state (6.8 MB a sequence per rank at production size, not 434 MB).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kernels
+from kernels.moe_mxfp4 import situ
 from dflash_batch import parallel
 from dflash_batch.backends.meta import AttnMeta
 from dflash_batch.models.layers.dtypes import wide, wide_dtype
@@ -23,15 +26,10 @@ from dflash_batch.models.layers.linear import (
     ColumnParallelLinear, ParallelLMHead, ReplicatedLinear, RowParallelLinear, VocabParallelEmbedding,
     new_param, per_rank,
 )
+from dflash_batch.models.layers.mxfp4 import MXFP4Experts
 from dflash_batch.models.layers.norm import RMSNorm, rms_norm
 
 LORA_NORM_EPS = 1e-6  # the official q_a/kv_a LoRA norms take RMSNorm's default, not rms_norm_eps
-
-
-def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
-    """SiTU: (beta*tanh(g/beta)*sigmoid(g)) * (linear_beta*tanh(u/linear_beta)), in float32."""
-    g, u = wide(gate), wide(up)
-    return (beta * torch.tanh(g / beta) * torch.sigmoid(g) * linear_beta * torch.tanh(u / linear_beta)).to(gate.dtype)
 
 
 class SituMLP(nn.Module):
@@ -60,6 +58,17 @@ class Expert(SituMLP):
     names = ("w1", "w3", "w2")
 
 
+class DenseExperts(nn.ModuleList):
+    """Routed experts stored in the compute dtype, applied one expert at a time."""
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in ids.unique().tolist():
+            rows, slot = (ids == e).nonzero(as_tuple=True)
+            out.index_add_(0, rows, self[e](x[rows]) * weights[rows, slot, None])
+        return out
+
+
 class Router(nn.Module):
     def __init__(self, hidden: int, experts: int):
         super().__init__()
@@ -81,8 +90,13 @@ class LatentMoE(nn.Module):
         self.routed_expert_down_proj = ReplicatedLinear(hidden, latent)
         self.routed_expert_up_proj = ReplicatedLinear(latent, hidden)
         self.routed_expert_norm = RMSNorm(latent, config["rms_norm_eps"])
-        self.experts = nn.ModuleList(Expert(config, latent, config["moe_intermediate_size"], reduce=False)
-                                     for _ in range(config["num_experts"]))
+        experts, inter = config["num_experts"], config["moe_intermediate_size"]
+        if (config.get("quantization_config") or {}).get("quant_method") == "compressed-tensors":
+            # MXFP4 experts (quant.check_config admits no other compressed-tensors scheme) stay packed.
+            self.experts = MXFP4Experts(experts, latent, inter, config.get("activation_situ_beta", 4.0),
+                                        config.get("activation_situ_linear_beta", 25.0))
+        else:
+            self.experts = DenseExperts(Expert(config, latent, inter, reduce=False) for _ in range(experts))
         shared = config.get("num_shared_experts", 0) * config["moe_intermediate_size"]
         self.shared_experts = SituMLP(config, hidden, shared) if shared else None
 
@@ -93,11 +107,7 @@ class LatentMoE(nn.Module):
         if self.renormalize and self.top_k > 1:  # the official gate leaves a single expert's weight as is
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         weights = (weights * self.scaling).to(x.dtype)
-        latent = self.routed_expert_down_proj(x)
-        routed = torch.zeros_like(latent)
-        for e in ids.unique().tolist():
-            rows, slot = (ids == e).nonzero(as_tuple=True)
-            routed.index_add_(0, rows, self.experts[e](latent[rows]) * weights[rows, slot, None])
+        routed = self.experts(self.routed_expert_down_proj(x), ids, weights)
         # The norm must see the sum over every rank's expert shards.
         out = self.routed_expert_up_proj(self.routed_expert_norm(parallel.all_reduce(routed)))
         return out if self.shared_experts is None else out + self.shared_experts(x)
@@ -106,13 +116,12 @@ class LatentMoE(nn.Module):
 def attn_res_mix(current: torch.Tensor, blocks: list[torch.Tensor], norm: RMSNorm,
                  proj: ReplicatedLinear) -> torch.Tensor:
     """Block attention residual: a per-token softmax mix over [block snapshots..., current]
-    (current last) with score <RMSNorm(v), norm.w * proj.w>, mixing the raw values, in float32."""
+    (current last) with score <RMSNorm(v), norm.w * proj.w>, mixing the raw values, in float32
+    (kernels/attn_res.py: the torch reference, or the Triton kernel on a GPU)."""
     if not blocks:
         return current
-    values = wide(torch.stack([*blocks, current]))                            # [N, T, H]
     w = wide(norm.weight) * wide(proj.weight)[0]
-    scores = (values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + norm.eps) * w).sum(-1)
-    return (scores.softmax(0)[..., None] * values).sum(0).to(current.dtype)
+    return kernels.ops(current.device).attn_res([*blocks, current], w, norm.eps)
 
 
 class GatedMLA(nn.Module):
@@ -176,53 +185,65 @@ class KDA(nn.Module):
         self.dt_bias = new_param((self.heads * d,), 0, torch.float32)
         self.o_norm = RMSNorm(d, config["rms_norm_eps"])
         self.o_proj = RowParallelLinear(heads * d, hidden)
-        # State pool [seqs, ...] and, for verify, per-row staged states [seqs, rows, ...].
-        self.conv_state = self.state = self.staged_conv = self.staged_state = None
+        # State pool [seqs, ...]; for verify, each row's raw inputs [seqs, rows, ...] (commit replays them).
+        self.conv_state = self.state = self.staged_raw = self.staged_g = self.staged_beta = None
 
     def allocate(self, slots: int, batch: int, rows: int, device) -> None:
-        C = 3 * self.heads * self.d
+        C, H, d = 3 * self.heads * self.d, self.heads, self.d
         dtype = self.A_log.dtype  # float32 (float64 for a float64 model)
         self.conv_state = torch.zeros(slots, C, self.kernel - 1, device=device, dtype=dtype)
-        self.state = torch.zeros(slots, self.heads, self.d, self.d, device=device, dtype=dtype)
-        self.staged_conv = torch.zeros(batch, rows, C, self.kernel - 1, device=device, dtype=dtype)
-        self.staged_state = torch.zeros(batch, rows, self.heads, self.d, self.d, device=device, dtype=dtype)
+        self.state = torch.zeros(slots, H, d, d, device=device, dtype=dtype)
+        self.staged_raw = torch.zeros(batch, rows, C, device=device, dtype=self.q_proj.weight.dtype)
+        self.staged_g = torch.zeros(batch, rows, H, d, device=device, dtype=dtype)
+        self.staged_beta = torch.zeros(batch, rows, H, device=device, dtype=dtype)
+
+    def _conv_weight(self) -> torch.Tensor:
+        return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])[:, 0]
+
+    def _qkv(self, raw: torch.Tensor, conv_state: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k (L2-normalised), v [*B, T, H, d] of raw projections [*B, T, C], and the new conv window."""
+        mixed, conv_out = short_conv(raw, self._conv_weight(), conv_state)
+        q, k, v = (t.unflatten(-1, (self.heads, self.d)) for t in mixed.split(self.heads * self.d, dim=-1))
+        return l2norm(q), l2norm(k), v, conv_out
 
     def forward(self, x: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
         T, H, d = x.shape[0], self.heads, self.d
         raw = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])[:, 0]
         g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(T, H, d), self.A_log, self.dt_bias, self.lower_bound)
         beta = torch.sigmoid(wide(self.b_proj(x)))
         out = x.new_zeros(T, H, d, dtype=wide_dtype(x.dtype))
         for b, slot in enumerate(meta.state_ids.tolist()):
             rows = meta.q_index[b][meta.q_index[b] < T]
-            conv_in = self.conv_state[slot]
-            mixed, conv_out = short_conv(raw[rows], weight, conv_in)
-            q, k, v = (t.view(-1, H, d) for t in mixed.split(H * d, dim=-1))
-            q, k = l2norm(q), l2norm(k)
+            q, k, v, conv_out = self._qkv(raw[rows], self.conv_state[slot])
             if meta.stage:
-                # One token at a time from the committed state, keeping the state after each row.
-                S = self.state[slot]
-                for j, r in enumerate(rows.tolist()):
-                    o, S = kda_recurrent(q[j:j + 1], k[j:j + 1], v[j:j + 1], g[r:r + 1], beta[r:r + 1], S)
-                    out[r] = o[0]
-                    self.staged_state[b, j] = S
-                    window = torch.cat([conv_in, raw[rows[:j + 1]].T.to(conv_in.dtype)], dim=-1)
-                    self.staged_conv[b, j] = window[:, -(self.kernel - 1):]
+                # Verify: read from the committed state and leave it alone; keep each row's raw
+                # inputs so that commit can replay the accepted ones (d*d floats a row saved).
+                out[rows], _ = kda_recurrent(q, k, v, g[rows], beta[rows], self.state[slot])
+                n = len(rows)
+                self.staged_raw[b, :n], self.staged_g[b, :n], self.staged_beta[b, :n] = raw[rows], g[rows], beta[rows]
             else:
-                o, S = kda_chunked(q, k, v, g[rows], beta[rows], self.state[slot])
-                out[rows] = o
-                self.state[slot] = S
+                out[rows], self.state[slot] = kda_chunked(q, k, v, g[rows], beta[rows], self.state[slot])
                 self.conv_state[slot] = conv_out
         o = rms_norm(out, wide(self.o_norm.weight), self.o_norm.eps)
         o = o * torch.sigmoid(wide(self.g_proj(x))).view(T, H, d)
         return self.o_proj(o.reshape(T, H * d).to(x.dtype))
 
     def commit(self, state_ids: torch.Tensor, kept: torch.Tensor) -> None:
-        """After a verify: the committed state of sequence b becomes the one after its row kept[b]-1."""
-        rows = torch.arange(len(state_ids), device=state_ids.device)
-        self.state[state_ids] = self.staged_state[rows, kept - 1]
-        self.conv_state[state_ids] = self.staged_conv[rows, kept - 1]
+        """After a verify: sequence b's committed state advances over its first kept[b] rows,
+        replayed from their raw inputs, all sequences at once (no host sync: graph-safe)."""
+        n, rows = len(state_ids), self.staged_raw.shape[1]
+        raw, conv = self.staged_raw[:n], self.conv_state[state_ids]
+        q, k, v, _ = self._qkv(raw, conv)
+        S = self.state[state_ids]
+        for j in range(rows):  # a row past kept[b] leaves sequence b's state as it is
+            _, after = kda_recurrent(q[:, j:j + 1], k[:, j:j + 1], v[:, j:j + 1], self.staged_g[:n, j:j + 1],
+                                     self.staged_beta[:n, j:j + 1], S)
+            S = torch.where((j < kept).view(n, 1, 1, 1), after, S)
+        self.state[state_ids] = S
+        # The conv window after kept[b] rows: the last kernel-1 raw inputs up to there.
+        window = torch.cat([conv, raw.transpose(1, 2).to(conv.dtype)], dim=-1)  # [n, C, kernel-1+rows]
+        index = kept.view(n, 1, 1) + torch.arange(self.kernel - 1, device=kept.device)
+        self.conv_state[state_ids] = window.gather(-1, index.expand(n, window.shape[1], -1))
 
 
 class DecoderLayer(nn.Module):

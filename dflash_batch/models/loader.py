@@ -2,7 +2,8 @@
 
 Files are memory-mapped and each rank reads only its own slice of each tensor, so a rank never
 holds the full weights. Quantized weights (MXFP4, block FP8; see quant.py) are dequantized to
-the parameter dtype as they are read. Every mismatch between checkpoint and model is found from
+the parameter dtype as they are read, unless the model keeps them as stored (parameters named
+`X.weight_packed` / `X.weight_scale`: Kimi-K3's MXFP4 routed experts). Every mismatch between checkpoint and model is found from
 the file headers alone and reported at once.
 """
 
@@ -109,9 +110,11 @@ class _Plain:
         return read(self.name)[index].to(dtype)
 
 
-def _sources(tensors: dict[str, _Stored]) -> list[tuple[str, _Plain | quant.QuantizedWeight]]:
-    """(weight name, how it is stored) for every weight in the checkpoint."""
-    quantized = quant.find_quantized(tensors)
+def _sources(tensors: dict[str, _Stored], kept: Callable[[str], bool]) -> list[tuple[str, _Plain | quant.QuantizedWeight]]:
+    """(weight name, how it is stored) for every weight in the checkpoint. A quantized weight the
+    model keeps as stored (`kept(data name)`: MXFP4 experts) is read as its plain tensors."""
+    quantized = {w: q for w, q in quant.find_quantized(tensors).items()
+                 if not (q.format.data_suffix and kept(q.names[0]))}
     paired = {n for q in quantized.values() for n in q.names}
     return [(n, _Plain(n)) for n in tensors if n not in paired] + list(quantized.items())
 
@@ -157,9 +160,9 @@ def _targets(model: nn.Module) -> dict[str, _Target]:
             continue
         module, leaf = name.rsplit(".", 2)[0], name.rsplit(".", 1)[1]
         start = 0
-        for part, rows in packed:
-            local = rows // parallel.world_size()
-            shape = [rows, *param.shape[1:]]
+        for part, rows in packed:  # parts stacked along dim 0; each cut along shard_dim
+            local = rows // parallel.world_size() if param.shard_dim == 0 else rows
+            shape = [rows, *_full_shape(param)[1:]]
             targets[f"{module}.{part}.{leaf}"] = _Target(name, param, shape, slice(start, start + local))
             start += local
     return targets
@@ -185,7 +188,7 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
     # Sources report their own problems as "kind: detail" lines naming checkpoint tensors.
     plan: list[tuple[_Plain | quant.QuantizedWeight, _Target]] = []
     unexpected, filled = [], set()
-    for weight, source in _sources(tensors):
+    for weight, source in _sources(tensors, lambda stored: rename(stored) in targets):
         name = rename(weight)
         if name is None:
             continue

@@ -32,8 +32,8 @@ from typing import Any, Protocol
 
 import torch
 
-# FP4 E2M1 code -> value. Bit 3 is the sign, so code 8 is negative zero.
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+from kernels.moe_mxfp4 import dequant_mxfp4 as mxfp4_values
+
 E8M0_NAN = 255
 
 
@@ -106,27 +106,17 @@ def _finite(w: torch.Tensor, dtype: torch.dtype, weight: str) -> torch.Tensor:
     return out
 
 
-def _e8m0_to_float32(scale: torch.Tensor) -> torch.Tensor:
-    # E8M0 is exactly an fp32 exponent field: 2^(e-127) has the bit pattern e << 23, except
-    # 2^-127 (e = 0), the fp32 subnormal 1 << 22. Building bits avoids any rounding in exp2.
-    e = scale.to(torch.int32)
-    return torch.where(e == 0, 1 << 22, e << 23).view(torch.float32)
-
-
 def dequant_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
                   name: str = "weight") -> torch.Tensor:
-    """[out, in/2] packed FP4 codes and [out, ceil(in/32)] E8M0 scales -> [out, in] in dtype.
+    """[out, in/2] packed FP4 codes and [out, ceil(in/32)] E8M0 scales -> [out, in] in dtype
+    (the arithmetic is kernels.moe_mxfp4's, which the MoE kernels share; here checked).
 
     `name` is the weight's name (`X.weight`); errors name `X.weight_packed` / `X.weight_scale`."""
     _check(MXFP4, name, packed, scale)
     nan = int((scale == E8M0_NAN).sum())
     if nan:
         raise ValueError(f"{name}{MXFP4.scale_suffix}: {nan} E8M0 scales are 255, which is NaN in the OCP MX spec")
-    compute = torch.promote_types(dtype, torch.float32)
-    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(1)  # low nibble = even column
-    values = torch.tensor(E2M1_VALUES, dtype=compute)[codes.long()]
-    scales = _e8m0_to_float32(scale).to(compute).repeat_interleave(MXFP4.block[1], dim=1)
-    return _finite(values * scales[:, :values.shape[1]], dtype, name)
+    return _finite(mxfp4_values(packed, scale, torch.promote_types(dtype, torch.float32)), dtype, name)
 
 
 def dequant_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
