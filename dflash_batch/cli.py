@@ -55,11 +55,35 @@ def _run_shard(job: Job, shard: Shard, progress: bool, job_file: str) -> None:
     except Preempted:
         click.echo("terminated: finished rows are committed; rerun the same command to resume", err=True)
         sys.exit(EXIT_PREEMPTED)
-    if parallel.rank() == 0:
+    if parallel.rank() == 0 and result.already_complete:
+        click.echo(f"shard {result.shard}: already complete for these inputs; nothing to do")
+    elif parallel.rank() == 0:
         click.echo(f"\nshard {result.shard}: {result.rows_written} rows committed this run")
         click.echo(_table(["bucket", "rows", "ok", "error", "tokens", "acc_len", "proposal_acc"],
                           [[name, s["rows"], s["ok"], s["error"], s["completion_tokens"], s["acc_len"],
                             s["proposal_acceptance"]] for name, s in result.stats.items()]))
+
+
+def cpus_given() -> int:
+    """CPUs this task may use: Slurm's --cpus-per-task, else the CPUs it may run on (an
+    affinity mask, cgroups' cpuset), else the machine's."""
+    if os.environ.get("SLURM_CPUS_PER_TASK", "").isdigit():
+        return int(os.environ["SLURM_CPUS_PER_TASK"])
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _set_threads(ranks: int) -> None:
+    """One torch thread per CPU given, shared by the ranks of this process group: tasks that
+    share a node must not each start one per core. OMP_NUM_THREADS, when set, decides; a
+    process given the whole machine keeps torch's own choice (physical cores)."""
+    import torch
+
+    given = cpus_given()
+    if not os.environ.get("OMP_NUM_THREADS") and (ranks > 1 or given < (os.cpu_count() or given)):
+        torch.set_num_threads(max(1, given // ranks))
 
 
 def _tp_rank(rank: int, world: int, port: int, job: Job, shard: Shard, progress: bool, job_file: str) -> None:
@@ -68,7 +92,7 @@ def _tp_rank(rank: int, world: int, port: int, job: Job, shard: Shard, progress:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     import torch
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    _set_threads(world)
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=rank, world_size=world)
     if torch.cuda.is_available():
         torch.cuda.set_device(rank)
@@ -112,8 +136,9 @@ def run(job_file: str, shard_text: str | None, output_dir: str | None, no_progre
     if parallel.init_from_env():
         if parallel.world_size() != tp:
             _fail(JobError(f"started with {parallel.world_size()} ranks but model.tensor_parallel_size is {tp}"))
-        _run_shard(job, shard, not no_progress, job_file)
+        _run_shard(job, shard, not no_progress, job_file)  # torchrun / srun set each rank's threads
     elif tp == 1:
+        _set_threads(1)
         _run_shard(job, shard, not no_progress, job_file)
     else:
         import socket
@@ -196,9 +221,11 @@ def validate(job_file: str, no_inputs: bool) -> None:
 @main.command()
 @click.argument("out_dir", type=click.Path(file_okay=False, exists=True))
 def status(out_dir: str) -> None:
-    """Rows done / error per shard and per bucket, from the committed files of OUT_DIR; which
-    shards are incomplete, and the sbatch line that finishes them."""
+    """Rows done / error per shard (beside the rows it holds once complete, counted from the
+    inputs) and per bucket, from the committed files of OUT_DIR; which shards are incomplete, and
+    the sbatch line that finishes them."""
     from dflash_batch.io.ledger import array_spec, count_committed, duplicate_keys, shard_states
+    from dflash_batch.plan.expected import shard_plan
 
     out = Path(out_dir)
     run_file = out / "run.json"
@@ -207,9 +234,18 @@ def status(out_dir: str) -> None:
     run_record = orjson.loads(run_file.read_bytes())
     num_shards = run_record["num_shards"]
     by_shard, by_bucket = count_committed(out)
-    states = shard_states(out, num_shards)
-    click.echo(_table(["shard", "ok", "error", "state"],
-                      [[i, by_shard[(i, "ok")], by_shard[(i, "error")], states[i]] for i in range(num_shards)]))
+    done = [by_shard[(i, "ok")] + by_shard[(i, "error")] for i in range(num_shards)]
+    states = shard_states(out, num_shards)  # what each shard's runs recorded of reaching their end
+    try:  # each shard's rows once complete, counted from the inputs (cached in OUT_DIR)
+        expected = shard_plan(out, Job.model_validate(run_record["job"]), num_shards)
+        states = ["complete" if d >= e else "not started" if s == "not started" else "incomplete"
+                  for d, e, s in zip(done, expected, states)]
+    except (JobError, OSError) as e:  # inputs gone or moved
+        click.echo(f"(expected rows unknown: {e})", err=True)
+        expected = [None] * num_shards
+    click.echo(_table(["shard", "expected", "ok", "error", "state"],
+                      [[i, expected[i], by_shard[(i, "ok")], by_shard[(i, "error")], states[i]]
+                       for i in range(num_shards)]))
     names = sorted({k for k, _ in by_bucket}, key=lambda x: (x is None, x))
     click.echo("\n" + _table(["bucket", "ok", "error"],
                              [[n, by_bucket[(n, "ok")], by_bucket[(n, "error")]] for n in names]))

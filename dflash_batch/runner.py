@@ -25,8 +25,8 @@ from tqdm import tqdm
 from dflash_batch import __version__, parallel
 from dflash_batch.engine.request import Completion, Engine, Request, SamplingParams
 from dflash_batch.grammar import Grammars, asks_for_grammar, wants_grammar
-from dflash_batch.io.inputs import check_inputs
-from dflash_batch.io.ledger import (check_run, keys_to_skip, lock_run, shard_dir, shard_lock,
+from dflash_batch.io.inputs import check_inputs, input_fingerprint
+from dflash_batch.io.ledger import (check_run, keys_to_skip, lock_run, shard_dir, shard_finished, shard_lock,
                                    write_shard_stats)
 from dflash_batch.io.outputs import RESERVED, PartWriter, output_record
 from dflash_batch.job import Job, JobError, SamplingSpec
@@ -49,6 +49,7 @@ class RunResult:
     shard: Shard
     rows_written: int
     stats: dict[str, dict]
+    already_complete: bool = False  # finished before, for these inputs: nothing was loaded
 
 
 class _Run:
@@ -80,6 +81,7 @@ class _Run:
             metadata={"dflash_batch.version": __version__, "dflash_batch.config_hash": config_hash,
                       "dflash_batch.job": job.model_dump_json()})
         self.stop = threading.Event()
+        self.running = self.committing = False  # where on_sigterm may stop the run at once
         self.tensor_parallel = parallel.world_size() > 1
         self.default_params = self._params(job.sampling)
         vocab = engine.vocab_size or tokenizer.vocab_size  # a stand-in engine may not say
@@ -165,15 +167,23 @@ class _Run:
             row.fail("bad_grammar", str(e))
 
     def _commit(self, row: dict) -> None:
+        self.committing = True  # a SIGTERM now only sets stop: the check below acts on it
         if self.writer is not None:  # tensor-parallel ranks other than 0 decode but do not write
             self.writer.add(row)
             if self.on_row is not None:
                 self.on_row(output_record(row, self.job.input.passthrough_columns, self.optional))
+        self.committing = False
         # Every rank commits the same rows in the same order; they agree on stopping here.
         stop = parallel.any_rank(self.stop.is_set()) if self.tensor_parallel else self.stop.is_set()
         if stop:
-            if self.writer is not None:
-                self.writer.flush()
+            raise Preempted()
+
+    def on_sigterm(self, *_) -> None:
+        """Stop. On one rank, at once: the rows finished so far are committed on the way out
+        (run), however long the round or the row in progress would take. Tensor-parallel ranks
+        stop at the next committed row instead, all at the same one (their collectives match)."""
+        self.stop.set()
+        if self.running and not self.committing and not self.tensor_parallel:
             raise Preempted()
 
     # -- the loop ------------------------------------------------------------------------------
@@ -236,8 +246,6 @@ class _Run:
             if not self.stop.is_set():
                 raise
             # A worker killed by the job's SIGTERM before it could ignore it: still a preemption.
-            if self.writer is not None:
-                self.writer.flush()
             raise Preempted() from None
 
     def run(self) -> int:
@@ -245,15 +253,24 @@ class _Run:
         # Rows are prepared ahead in other processes while the engine decodes this window.
         batches = prepare_ahead(self.job, self.tok, self.shard, self.done,
                                 getattr(self.engine, "vocab_size", None))
+        self.running = True
         try:
-            for rows in self._preemptible(batches):
-                window += rows
-                if len(window) >= self.job.input.window_rows:
-                    self._run_window(window)
-                    window = []
+            try:
+                for rows in self._preemptible(batches):
+                    window += rows
+                    if len(window) >= self.job.input.window_rows:
+                        self._run_window(window)
+                        window = []
+            finally:
+                batches.close()
+            self._run_window(window)
+        except Preempted:
+            self.running = False
+            if self.writer is not None:  # every finished row, now
+                self.writer.flush()
+            raise
         finally:
-            batches.close()
-        self._run_window(window)
+            self.running = False
         if self.writer is None:
             return 0
         self.writer.flush()
@@ -290,6 +307,9 @@ def run_job(job: Job, engine_factory: EngineFactory, shard: Shard, progress: boo
     tokenizer, delimiters = open_tokenizer(job)
     out_dir = Path(job.output.dir)
     check_run(out_dir, job, shard)  # a changed job is refused before any checkpoint loads
+    inputs = input_fingerprint(job.input)
+    if shard_finished(out_dir, shard.index, inputs):  # a resubmitted finished task: no model to load
+        return RunResult(shard, 0, {}, already_complete=True)
     with shard_lock(out_dir, shard.index) if parallel.rank() == 0 else contextlib.nullcontext():
         engine = engine_factory(job, tokenizer)
         # run.json only once the checkpoints loaded, so a mistyped path cannot tie the directory
@@ -301,7 +321,7 @@ def run_job(job: Job, engine_factory: EngineFactory, shard: Shard, progress: boo
         run = _Run(job, shard, tokenizer, engine, config_hash, progress, delimiters, on_row)
         parallel.barrier()
         on_main = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGTERM, lambda *_: run.stop.set()) if on_main else None
+        previous = signal.signal(signal.SIGTERM, run.on_sigterm) if on_main else None
         try:
             with fewer_gc_passes():
                 written = run.run()
@@ -310,10 +330,10 @@ def run_job(job: Job, engine_factory: EngineFactory, shard: Shard, progress: boo
             # disk that stopped the run may still be full) must not hide why the run stopped.
             if parallel.rank() == 0:
                 with contextlib.suppress(Exception):
-                    write_shard_stats(out_dir, shard.index, complete=False)
+                    write_shard_stats(out_dir, shard.index, complete=False, inputs=inputs)
             raise
         finally:
             if on_main:
                 signal.signal(signal.SIGTERM, previous)
-        stats = write_shard_stats(out_dir, shard.index, complete=True) if parallel.rank() == 0 else {}
+        stats = write_shard_stats(out_dir, shard.index, complete=True, inputs=inputs) if parallel.rank() == 0 else {}
     return RunResult(shard, written, stats)

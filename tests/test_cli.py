@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -35,9 +36,12 @@ def test_status_counts_per_shard_and_bucket(tmp_path, model_dir):
     lines = out.stdout.splitlines()
     table = lines[2:lines.index("")]  # the shard table: header, rule, one line a shard
     shard_rows = {c[0]: c[1:] for c in (re.split(r"\s{2,}", ln.strip()) for ln in table)}
-    assert shard_rows["2"] == ["0", "0", "not started"]
-    assert shard_rows["0"][2] == shard_rows["1"][2] == "complete"
-    total_ok = sum(int(v[0]) for k, v in shard_rows.items() if k in "012")
+    expected = {k: int(v[0]) for k, v in shard_rows.items()}
+    assert sum(expected.values()) == 20 and expected["2"] > 0  # every input row, by the shard that owns it
+    assert shard_rows["2"][1:] == ["0", "0", "not started"]
+    for k in "01":  # expected == committed ok + error for the finished shards
+        assert shard_rows[k][3] == "complete" and int(shard_rows[k][1]) + int(shard_rows[k][2]) == expected[k]
+    total_ok = sum(int(v[1]) for k, v in shard_rows.items() if k in "012")
     assert f"total: {total_ok} ok" in out.stdout
     assert "0-32" in out.stdout and "3 shard(s)" in out.stdout
 
@@ -56,3 +60,16 @@ def test_dry_run_prints_the_first_rows_and_runs_nothing(tmp_path, model_dir):
     assert blocks[1].startswith("b: error empty_prompt")
     assert "-> bucket 32-256" in blocks[2]
     assert not (tmp_path / "out").exists()
+
+
+def test_threads_follow_what_slurm_gives_the_task():
+    """Two tasks on one node each get their --cpus-per-task, not a thread per core."""
+    code = ("import os, torch; from dflash_batch.cli import _set_threads; _set_threads(1); "
+            "print(torch.get_num_threads())")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    one = subprocess.run([sys.executable, "-c", code], env={**env, "SLURM_CPUS_PER_TASK": "1"},
+                         capture_output=True, text=True, check=True)
+    assert one.stdout.strip() == "1"
+    told = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          env={**env, "SLURM_CPUS_PER_TASK": "1", "OMP_NUM_THREADS": "2"})
+    assert told.stdout.strip() == "2"  # an explicit OMP_NUM_THREADS wins

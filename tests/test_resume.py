@@ -11,6 +11,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import yaml
+
 from dflash_batch.plan.shards import Shard
 from dflash_batch.runner import run_job
 from tests.fake_engine import fake_factory
@@ -87,6 +89,33 @@ def test_sigterm_commits_finished_rows_and_exits_nonzero(tmp_path, model_dir):
     assert len(_comparable(rows)) == 80 and os.path.exists(tmp_path / "term" / "stats" / "shard-00000.json")
 
 
+def test_sigterm_commits_what_finished_at_once_even_under_contention(tmp_path, model_dir):
+    """Rows finish every 3 s and commit only every 1000 rows; the CPUs are busy with other work.
+    SIGTERM arrives while a row is in progress: the run exits 143 within two seconds (not at the
+    next finished row) with every finished row committed, and a rerun completes the rest once."""
+    job_file = _job(tmp_path, model_dir, "now")
+    doc = yaml.safe_load(job_file.read_text())
+    doc["output"]["rows_per_part"] = 1000
+    job_file.write_text(yaml.safe_dump(doc))
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    try:
+        proc = _start(job_file, delay=3.0)
+        time.sleep(14)  # start-up, then a few rows finished (held in the writer's buffer)
+        assert not read_out(tmp_path / "now") and proc.poll() is None
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 143
+        took = time.monotonic() - sent
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait()
+    done = read_out(tmp_path / "now")
+    assert took < 2.0 and len(done) >= 1, (took, len(done))
+    assert _start(job_file, delay=0.0).wait(timeout=120) == 0
+    assert len(_comparable(read_out(tmp_path / "now"))) == 80
+
+
 def test_a_second_process_on_one_shard_is_refused(tmp_path, model_dir):
     """An OS lock: while one process writes shard 0, another run of the same shard stops before
     any work with a message naming the holder; once the first is gone (killed: the kernel drops
@@ -150,3 +179,19 @@ def test_array_spec():
     assert array_spec([0]) == "0"
     assert array_spec([1, 3, 5, 6, 7, 9]) == "1,3,5-7,9"
     assert array_spec([2, 3]) == "2-3"
+
+
+def test_a_finished_shard_loads_no_model_until_its_inputs_change(tmp_path, model_dir):
+    from dflash_batch.job import load_job
+
+    job = load_job(_job(tmp_path, model_dir, "again"))
+    assert run_job(job, fake_factory(), Shard(0, 2), progress=False).rows_written > 0
+
+    def no_model(job, tokenizer):
+        raise AssertionError("loaded a model for a finished shard")
+
+    again = run_job(job, no_model, Shard(0, 2), progress=False)
+    assert again.already_complete and again.rows_written == 0
+    (tmp_path / "p.jsonl").write_bytes((tmp_path / "p.jsonl").read_bytes() + b'{"id": "new", "prompt": "x"}\n')
+    grown = run_job(job, fake_factory(), Shard(0, 2), progress=False)  # the inputs changed: it runs
+    assert not grown.already_complete

@@ -271,13 +271,14 @@ def bucket_stats(tables: Iterable[pa.Table]) -> dict[str, dict]:
     return totals
 
 
-def write_shard_stats(out_dir: Path, index: int, complete: bool) -> dict[str, dict]:
+def write_shard_stats(out_dir: Path, index: int, complete: bool, inputs: list | None = None) -> dict[str, dict]:
     """Per-bucket totals of the shard's committed parts, whether its run got through all of its
-    input, and, once it has, the keys committed more than once (`status` reads both): two input
-    rows with one id. A row id always falls in the same shard, so a shard's check is the run's."""
+    input (`inputs`: the fingerprint of the files it read), and, once it has, the keys committed
+    more than once (`status` reads both): two input rows with one id. A row id always falls in
+    the same shard, so a shard's check is the run's."""
     files = part_files(out_dir, index)
     stats = bucket_stats(pq.read_table(f, columns=STAT_COLUMNS) for f in files)
-    record = {"shard": index, "complete": complete, "buckets": stats}
+    record = {"shard": index, "complete": complete, "inputs": inputs, "rows": _rows(files), "buckets": stats}
     if complete:
         keys = ["row_id", "sample_index"]
         record["duplicate_keys"] = duplicates((pq.read_table(f, columns=keys) for f in files), keys, spill_dir=out_dir)
@@ -295,6 +296,21 @@ def duplicate_keys(out_dir: Path, num_shards: int) -> dict[int, dict]:
         if found and found["count"]:
             out[i] = found
     return out
+
+
+def _rows(files: list[Path]) -> int:
+    return sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+
+
+def shard_finished(out_dir: Path, index: int, inputs: list | None) -> bool:
+    """Whether this shard's run already got through all of these very input files and its parts
+    are still all there (a rerun would find nothing to do)."""
+    path = out_dir / "stats" / f"shard-{index:05d}.json"
+    if inputs is None or not path.exists():
+        return False
+    record = orjson.loads(path.read_bytes())
+    return (bool(record.get("complete")) and record.get("inputs") == inputs
+            and record.get("rows") == _rows(part_files(out_dir, index)))
 
 
 def shard_states(out_dir: Path, num_shards: int) -> list[str]:

@@ -6,7 +6,7 @@ prompt, a bad per-row override) becomes an error row here; the job goes on.
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Container, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -207,6 +207,17 @@ class RowPreparer:
             row.prompt_ids = row.prompt_ids[-budget:] if policy == "truncate_left" else row.prompt_ids[:budget]
             row.prompt_truncated = True
         row.bucket = assign_bucket(len(row.prompt_ids) + max_new, self.edges)
+
+    def samples(self, records: list[Record]) -> Iterator[tuple[str, int]]:
+        """(row id, output rows it makes) of each record, without templating or tokenising: an
+        error row makes the job's n, a row with a valid per-row n its own (plan/expected.py)."""
+        for rec in records:
+            data, problem = self._columns(rec)
+            row_id, id_problem = self.row_id(rec, data)
+            row = PreparedRow(row_id, (), self.job.sampling)
+            if not problem and not id_problem:
+                self._sampling(data, row)
+            yield row_id, row.sampling.n
 
     def prepare(self, records: list[Record]) -> list[PreparedRow]:
         rows, texts, chats = [], [], []

@@ -1,0 +1,47 @@
+"""How many output rows each shard of a run holds once complete: its input rows' samples (a row's
+n), or in a retry run its chosen keys. `status` compares them with what is committed.
+
+Counting reads every input row's id and sampling fields once (no templating, no tokenising),
+streaming; the answer is kept in OUT_DIR/shard_plan.json for as long as the input files are the
+ones it was counted from.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pyarrow.parquet as pq
+
+from dflash_batch.io.inputs import input_fingerprint, read_records
+from dflash_batch.io.outputs import atomic_write_bytes
+from dflash_batch.job import Job
+from dflash_batch.plan.rows import RowPreparer
+from dflash_batch.plan.shards import shard_of
+
+
+def expected_rows(job: Job, count: int) -> list[int]:
+    rows = [0] * count
+    if job.retry is not None:
+        for row_id in pq.read_table(job.retry.samples, columns=["row_id"])["row_id"].to_pylist():
+            rows[shard_of(row_id, count)] += 1
+        return rows
+    preparer = RowPreparer(job, tokenizer=None)
+    for records in read_records(job.input):
+        for row_id, n in preparer.samples(records):
+            rows[shard_of(row_id, count) if count > 1 else 0] += n
+    return rows
+
+
+def shard_plan(out_dir: Path, job: Job, count: int) -> list[int]:
+    """expected_rows, from OUT_DIR/shard_plan.json when it was counted from these input files."""
+    path = out_dir / "shard_plan.json"
+    inputs = input_fingerprint(job.input)
+    if path.exists():
+        cached = orjson.loads(path.read_bytes())
+        if inputs is not None and cached.get("inputs") == inputs and cached.get("count") == count:
+            return cached["rows"]
+    rows = expected_rows(job, count)
+    if inputs is not None:
+        atomic_write_bytes(path, orjson.dumps({"count": count, "inputs": inputs, "rows": rows}))
+    return rows

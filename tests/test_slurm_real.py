@@ -1,0 +1,96 @@
+"""jobs/slurm/array.sbatch on a real one-node Slurm 22.05 (../shared/slurm/local-slurm.sh): the demo
+job as an array of 4 tasks on a CPU partition, one CPU each, submitted as the README says; one
+task preempted (`scontrol requeue`: SIGTERM, requeue, restart) while it decodes. Every row ends
+up committed once, the preempted task says it committed and stopped, restarts and finishes, a
+finished task requeued again exits before loading a model, and `status` calls every shard
+complete against the rows the inputs give it. Skipped, saying why, without slurm-wlm (.ci/run
+installs it where it can) or the cluster script."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.jobs_util import read_out
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = [os.environ.get("LOCAL_SLURM_SCRIPT", ""), ROOT.parent / "shared/slurm/local-slurm.sh",
+           Path("/work/shared/slurm/local-slurm.sh")]
+DEMO_ROWS = 72
+
+
+def _script() -> Path:
+    for s in SCRIPTS:
+        if s and Path(s).is_file():
+            return Path(s)
+    pytest.skip(f"no local-slurm.sh among {[str(s) for s in SCRIPTS if s]}")
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    if shutil.which("sbatch") is None or shutil.which("slurmctld") is None:
+        pytest.skip("slurm-wlm is not installed (apt-get install -y slurm-wlm munge)")
+    if os.geteuid() != 0:
+        pytest.skip("the one-node cluster runs its daemons as root")
+    script = _script()
+    env = {**os.environ, "LOCAL_SLURM_CRED_EXPIRE": "5", "LOCAL_SLURM_GRACE_TIME": "10"}
+    running = subprocess.run(["bash", str(script), "status"], env=env, capture_output=True, text=True)
+    started = subprocess.run(["bash", str(script), "start"], env=env, capture_output=True, text=True)
+    if started.returncode:
+        pytest.skip(f"the one-node Slurm did not start: {started.stdout[-500:]} {started.stderr[-500:]}")
+    conf = subprocess.run(["bash", str(script), "env"], env=env, capture_output=True, text=True, check=True)
+    env["SLURM_CONF"] = conf.stdout.split("=", 1)[1].strip().strip("'\"")
+    yield env
+    if "slurmctld" not in running.stdout or "not running" in running.stdout:  # we started it: stop it
+        subprocess.run(["bash", str(script), "stop"], env=env, capture_output=True)
+
+
+def _tasks(env: dict, job: str) -> dict[str, str]:
+    """Array task id -> state, for the job's tasks still known to squeue."""
+    out = subprocess.run(["squeue", "-h", "-r", "-j", job, "-o", "%K %T"], env=env, capture_output=True, text=True)
+    return dict(line.split() for line in out.stdout.splitlines() if line.strip())
+
+
+def _wait(env: dict, job: str, until, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not until(_tasks(env, job)):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}: {_tasks(env, job)}"
+        time.sleep(0.5)
+
+
+def test_array_with_a_preempted_task_commits_every_row_once(slurm, tmp_path):
+    env = slurm
+    out = tmp_path / "out"
+    (tmp_path / "logs").mkdir()  # the README's `mkdir -p logs`: Slurm does not create it
+    submit = ["sbatch", "--parsable", "--array=0-3", "--gpus-per-node=0", "--cpus-per-task=1",
+              str(ROOT / "jobs/slurm/array.sbatch"), str(ROOT / "jobs/demo.yaml"), "--output-dir", str(out)]
+    job = subprocess.run(submit, cwd=tmp_path, env=env, capture_output=True, text=True, check=True).stdout.strip()
+    log = tmp_path / "logs" / f"dflash-batch-{job}_1.out"
+    # Preempt task 1 while it decodes: a few seconds after it starts (loading the demo pair takes one).
+    _wait(env, job, lambda t: t.get("1") == "RUNNING", 300, "task 1 to start")
+    time.sleep(4)
+    assert _tasks(env, job).get("1") == "RUNNING", "task 1 finished before it could be preempted"
+    subprocess.run(["scontrol", "requeue", f"{job}_1"], env=env, check=True, capture_output=True)
+    _wait(env, job, lambda t: not t, 600, "every task to finish")
+    text = log.read_text()
+    assert "terminated: finished rows are committed" in text and "(restart 1)" in text, text
+
+    rows = read_out(out)
+    keys = Counter((r["row_id"], r["sample_index"]) for r in rows)
+    assert len(keys) == DEMO_ROWS and max(keys.values()) == 1
+    status = subprocess.run(["dflash-batch", "status", str(out)], env=env, capture_output=True, text=True, check=True)
+    assert "4 shard(s), 4 complete" in status.stdout, status.stdout
+
+    # One task resubmitted alone, as status's rerun line does it: a finished shard loads nothing.
+    again = subprocess.run([*submit[:2], "--array=2", "--export=ALL,DFLASH_SHARDS=4", *submit[3:]], cwd=tmp_path,
+                           env=env, capture_output=True, text=True, check=True).stdout.strip()
+    _wait(env, again, lambda t: not t, 120, "the resubmitted task")
+    assert "already complete for these inputs" in (tmp_path / "logs" / f"dflash-batch-{again}_2.out").read_text()
