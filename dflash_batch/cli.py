@@ -18,6 +18,15 @@ SCHEMA_DIR = Path(__file__).resolve().parent.parent / "schemas"
 EXIT_PREEMPTED = 143  # 128 + SIGTERM: Slurm's --requeue and wrappers read it as "terminated"
 
 
+def exit_now(code: int) -> None:
+    """Exit without the interpreter's teardown (a second or more with torch loaded on a busy
+    node, which a preempted task does not have before SIGKILL): every row is committed and
+    synced already; only the standard streams need flushing."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _fail(e: Exception) -> None:
     click.echo(f"error: {e}", err=True)
     sys.exit(2)
@@ -54,7 +63,7 @@ def _run_shard(job: Job, shard: Shard, progress: bool, job_file: str) -> None:
         sys.exit(1)
     except Preempted:
         click.echo("terminated: finished rows are committed; rerun the same command to resume", err=True)
-        sys.exit(EXIT_PREEMPTED)
+        exit_now(EXIT_PREEMPTED)
     if parallel.rank() == 0 and result.already_complete:
         click.echo(f"shard {result.shard}: already complete for these inputs; nothing to do")
     elif parallel.rank() == 0:
