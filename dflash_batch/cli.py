@@ -74,10 +74,12 @@ def _run_shard(job: Job, shard: Shard, progress: bool, job_file: str) -> None:
 
 
 def cpus_given() -> int:
-    """CPUs this task may use: Slurm's --cpus-per-task, else the CPUs it may run on (an
-    affinity mask, cgroups' cpuset), else the machine's."""
-    if os.environ.get("SLURM_CPUS_PER_TASK", "").isdigit():
-        return int(os.environ["SLURM_CPUS_PER_TASK"])
+    """CPUs this task may use, all of its ranks together: OMP_NUM_THREADS when set, else what
+    Slurm allocated (--cpus-per-task, else the job's CPUs on this node), else the CPUs this
+    process may run on (an affinity mask, cgroups' cpuset)."""
+    for var in ("OMP_NUM_THREADS", "SLURM_CPUS_PER_TASK", "SLURM_CPUS_ON_NODE"):
+        if os.environ.get(var, "").isdigit() and int(os.environ[var]) > 0:
+            return int(os.environ[var])
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -85,13 +87,14 @@ def cpus_given() -> int:
 
 
 def _set_threads(ranks: int) -> None:
-    """One torch thread per CPU given, shared by the ranks of this process group: tasks that
-    share a node must not each start one per core. OMP_NUM_THREADS, when set, decides; a
-    process given the whole machine keeps torch's own choice (physical cores)."""
+    """Torch threads: the CPUs given, shared by the ranks of this process group, so tasks that
+    share a node do not each start one per core. A process given the whole machine by nobody in
+    particular keeps torch's own choice (physical cores)."""
     import torch
 
     given = cpus_given()
-    if not os.environ.get("OMP_NUM_THREADS") and (ranks > 1 or given < (os.cpu_count() or given)):
+    told = any(os.environ.get(v) for v in ("OMP_NUM_THREADS", "SLURM_CPUS_PER_TASK", "SLURM_CPUS_ON_NODE"))
+    if told or ranks > 1 or given < (os.cpu_count() or given):
         torch.set_num_threads(max(1, given // ranks))
 
 
@@ -145,7 +148,8 @@ def run(job_file: str, shard_text: str | None, output_dir: str | None, no_progre
     if parallel.init_from_env():
         if parallel.world_size() != tp:
             _fail(JobError(f"started with {parallel.world_size()} ranks but model.tensor_parallel_size is {tp}"))
-        _run_shard(job, shard, not no_progress, job_file)  # torchrun / srun set each rank's threads
+        _set_threads(1)  # one rank a process: srun's --cpus-per-task, or OMP_NUM_THREADS per rank
+        _run_shard(job, shard, not no_progress, job_file)
     elif tp == 1:
         _set_threads(1)
         _run_shard(job, shard, not no_progress, job_file)
@@ -233,7 +237,8 @@ def status(out_dir: str) -> None:
     """Rows done / error per shard (beside the rows it holds once complete, counted from the
     inputs) and per bucket, from the committed files of OUT_DIR; which shards are incomplete, and
     the sbatch line that finishes them."""
-    from dflash_batch.io.ledger import array_spec, count_committed, duplicate_keys, shard_states
+    from dflash_batch.io.inputs import input_fingerprint
+    from dflash_batch.io.ledger import array_spec, count_committed, duplicate_keys, shard_finished, shard_states
     from dflash_batch.plan.expected import shard_plan
 
     out = Path(out_dir)
@@ -245,13 +250,17 @@ def status(out_dir: str) -> None:
     by_shard, by_bucket = count_committed(out)
     done = [by_shard[(i, "ok")] + by_shard[(i, "error")] for i in range(num_shards)]
     states = shard_states(out, num_shards)  # what each shard's runs recorded of reaching their end
+    expected = [None] * num_shards
     try:  # each shard's rows once complete, counted from the inputs (cached in OUT_DIR)
-        expected = shard_plan(out, Job.model_validate(run_record["job"]), num_shards)
-        states = ["complete" if d >= e else "not started" if s == "not started" else "incomplete"
-                  for d, e, s in zip(done, expected, states)]
-    except (JobError, OSError) as e:  # inputs gone or moved
+        job = Job.model_validate(run_record["job"])
+        expected = shard_plan(out, job, num_shards) or expected
+        inputs = input_fingerprint(job.input)
+        # Complete by count, or because its run got through these very inputs (duplicate ids
+        # make the counts disagree); a run's record of an end before the inputs changed is not.
+        states = ["complete" if (e is not None and d >= e) or shard_finished(out, i, inputs) else
+                  "incomplete" if s == "complete" else s for i, (d, e, s) in enumerate(zip(done, expected, states))]
+    except Exception as e:  # noqa: BLE001 - inputs gone or moved, a job this version reads otherwise
         click.echo(f"(expected rows unknown: {e})", err=True)
-        expected = [None] * num_shards
     click.echo(_table(["shard", "expected", "ok", "error", "state"],
                       [[i, expected[i], by_shard[(i, "ok")], by_shard[(i, "error")], states[i]]
                        for i in range(num_shards)]))

@@ -40,8 +40,10 @@ from dflash_batch.reasoning import Delimiters, find_delimiters, split_reasoning
 EngineFactory = Callable[[Job, Tokenizer], Engine]
 
 
-class Preempted(Exception):
-    """SIGTERM arrived: finished rows were committed, the rest is left for the resumed run."""
+class Preempted(BaseException):
+    """SIGTERM arrived: finished rows were committed, the rest is left for the resumed run. A
+    BaseException, as KeyboardInterrupt is: raised from the signal handler anywhere in the
+    engine, it must pass every `except Exception` that isolates a failing request."""
 
 
 @dataclass
@@ -184,6 +186,7 @@ class _Run:
         stop at the next committed row instead, all at the same one (their collectives match)."""
         self.stop.set()
         if self.running and not self.committing and not self.tensor_parallel:
+            self.running = False  # a second SIGTERM must not cut the flush on the way out
             raise Preempted()
 
     # -- the loop ------------------------------------------------------------------------------
@@ -222,11 +225,13 @@ class _Run:
 
     def _run_window(self, rows: list[PreparedRow]) -> None:
         by_bucket: dict[int, list[PreparedRow]] = {}
-        seen = set()  # a row id twice in a window would be two requests under one key
+        seen, duplicates = set(), []  # a row id twice in a window would be two requests under one key
         for row in rows:
             if row.row_id in seen and not row.error_type:
                 row.fail("duplicate_id", f"row id {row.row_id!r} is also an earlier input row's; this row was not "
                          "run (dflash-batch validate lists duplicate ids)")
+                duplicates.append(row)  # committed after the first row's answer, which a resume must not skip
+                continue
             seen.add(row.row_id)
             if not row.error_type and (self.grammars is not None or wants_grammar(row.sampling)):
                 self._check_grammar(row)
@@ -238,6 +243,9 @@ class _Run:
                 by_bucket.setdefault(row.bucket, []).append(row)
         for b in sorted(by_bucket):
             self._run_bucket(self.buckets[b], by_bucket[b])
+        for row in duplicates:
+            for i in range(row.sampling.n):
+                self._commit(self._error_row(row, i))
 
     def _preemptible(self, batches: Iterator[list[PreparedRow]]) -> Iterator[list[PreparedRow]]:
         try:
@@ -255,6 +263,8 @@ class _Run:
                                 getattr(self.engine, "vocab_size", None))
         self.running = True
         try:
+            if self.stop.is_set():  # SIGTERM while the model loaded
+                raise Preempted()
             try:
                 for rows in self._preemptible(batches):
                     window += rows
@@ -310,30 +320,38 @@ def run_job(job: Job, engine_factory: EngineFactory, shard: Shard, progress: boo
     inputs = input_fingerprint(job.input)
     if shard_finished(out_dir, shard.index, inputs):  # a resubmitted finished task: no model to load
         return RunResult(shard, 0, {}, already_complete=True)
-    with shard_lock(out_dir, shard.index) if parallel.rank() == 0 else contextlib.nullcontext():
-        engine = engine_factory(job, tokenizer)
-        # run.json only once the checkpoints loaded, so a mistyped path cannot tie the directory
-        # to it. Rank 0 creates it; every rank reads the committed rows before any rank writes
-        # more, so all ranks schedule the same requests (their collectives must match).
-        config_hash = lock_run(out_dir, job, shard, job_file) if parallel.rank() == 0 else None
-        parallel.barrier()
-        config_hash = config_hash or lock_run(out_dir, job, shard, job_file)
-        run = _Run(job, shard, tokenizer, engine, config_hash, progress, delimiters, on_row)
-        parallel.barrier()
-        on_main = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGTERM, run.on_sigterm) if on_main else None
-        try:
-            with fewer_gc_passes():
-                written = run.run()
-        except BaseException:
-            # Stats are recomputed from the committed parts; a failure writing them now (the
-            # disk that stopped the run may still be full) must not hide why the run stopped.
-            if parallel.rank() == 0:
-                with contextlib.suppress(Exception):
-                    write_shard_stats(out_dir, shard.index, complete=False, inputs=inputs)
-            raise
-        finally:
+    on_main = threading.current_thread() is threading.main_thread()
+    early = threading.Event()  # a SIGTERM while the model loads stops the run before its first row
+    previous = signal.signal(signal.SIGTERM, lambda *_: early.set()) if on_main else None
+    try:
+        with shard_lock(out_dir, shard.index) if parallel.rank() == 0 else contextlib.nullcontext():
+            engine = engine_factory(job, tokenizer)
+            # run.json only once the checkpoints loaded, so a mistyped path cannot tie the directory
+            # to it. Rank 0 creates it; every rank reads the committed rows before any rank writes
+            # more, so all ranks schedule the same requests (their collectives must match).
+            config_hash = lock_run(out_dir, job, shard, job_file) if parallel.rank() == 0 else None
+            parallel.barrier()
+            config_hash = config_hash or lock_run(out_dir, job, shard, job_file)
+            run = _Run(job, shard, tokenizer, engine, config_hash, progress, delimiters, on_row)
+            parallel.barrier()
             if on_main:
-                signal.signal(signal.SIGTERM, previous)
-        stats = write_shard_stats(out_dir, shard.index, complete=True, inputs=inputs) if parallel.rank() == 0 else {}
+                signal.signal(signal.SIGTERM, run.on_sigterm)
+            if early.is_set():
+                run.stop.set()
+            try:
+                with fewer_gc_passes():
+                    written = run.run()
+            except BaseException as e:
+                # Stats are recomputed from the committed parts; a failure writing them now (the
+                # disk that stopped the run may still be full) must not hide why the run stopped.
+                # Preempted, the seconds before SIGKILL are not spent reading every part back.
+                if parallel.rank() == 0:
+                    with contextlib.suppress(Exception):
+                        write_shard_stats(out_dir, shard.index, complete=False, inputs=inputs,
+                                          count=not isinstance(e, Preempted))
+                raise
+            stats = write_shard_stats(out_dir, shard.index, complete=True, inputs=inputs) if parallel.rank() == 0 else {}
+    finally:
+        if on_main:
+            signal.signal(signal.SIGTERM, previous)
     return RunResult(shard, written, stats)

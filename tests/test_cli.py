@@ -73,3 +73,7 @@ def test_threads_follow_what_slurm_gives_the_task():
     told = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           env={**env, "SLURM_CPUS_PER_TASK": "1", "OMP_NUM_THREADS": "2"})
     assert told.stdout.strip() == "2"  # an explicit OMP_NUM_THREADS wins
+    ranks = code.replace("_set_threads(1)", "_set_threads(2)")  # each of 2 tensor-parallel ranks
+    shared = subprocess.run([sys.executable, "-c", ranks], capture_output=True, text=True, check=True,
+                            env={**env, "SLURM_CPUS_ON_NODE": "4"})
+    assert shared.stdout.strip() == "2"

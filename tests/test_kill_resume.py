@@ -95,3 +95,32 @@ def test_twenty_sigkills_then_resume_equal_an_uninterrupted_run(tmp_path):
               != {c: v for c, v in expected[k].items() if c != "config_hash"}]
     assert not differ, f"{len(differ)} rows differ from the uninterrupted run, e.g. {differ[:3]}"
     assert not list((tmp_path / "killed").rglob("*.tmp"))
+
+
+def test_sigterm_mid_decode_stops_at_once_and_loses_nothing(tmp_path):
+    """SIGTERM lands inside the real engine (a round, a prefill, several sequences in flight): the
+    run exits 143 at once rather than after the engine's failure handling treats the stop as a
+    failing request, and after five such stops the rows are the uninterrupted run's, with no
+    error row but the input's own."""
+    reference = job(tmp_path, "ref")
+    assert subprocess.run([*CLI, str(reference)], cwd=ROOT, capture_output=True, timeout=300).returncode == 0
+    expected = comparable(read_out(tmp_path / "ref"))
+    stopped = job(tmp_path, "stopped")
+    rng = random.Random(7)
+    for _ in range(5):
+        proc = subprocess.Popen([*CLI, str(stopped)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        before, deadline = committed_parts(tmp_path / "stopped"), time.monotonic() + 60
+        while committed_parts(tmp_path / "stopped") == before and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(rng.uniform(0.0, 0.1))
+        assert proc.poll() is None, "the job finished before it could be stopped"
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143, proc.stderr.read()
+        assert time.monotonic() - sent < 5, "the stop waited for the engine"
+    errors = [r for r in read_out(tmp_path / "stopped") if r["status"] != "ok"]
+    assert [r["row_id"] for r in errors] == ["r9"], [(r["row_id"], r["error_type"]) for r in errors]
+    assert subprocess.run([*CLI, str(stopped)], cwd=ROOT, capture_output=True, timeout=300).returncode == 0
+    got = comparable(read_out(tmp_path / "stopped"))
+    assert {k: {c: v for c, v in r.items() if c != "config_hash"} for k, r in got.items()} == \
+        {k: {c: v for c, v in r.items() if c != "config_hash"} for k, r in expected.items()}

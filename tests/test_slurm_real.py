@@ -1,5 +1,6 @@
 """jobs/slurm/array.sbatch on a real one-node Slurm 22.05 (../shared/slurm/local-slurm.sh): the demo
-job as an array of 4 tasks on a CPU partition, one CPU each, submitted as the README says; one
+job (3 samples a prompt) as an array of 4 tasks on a CPU partition, one CPU each, submitted as
+the README says; one
 task preempted (`scontrol requeue`: SIGTERM, requeue, restart) while it decodes. Every row ends
 up committed once, the preempted task says it committed and stopped, restarts and finishes, a
 finished task requeued again exits before loading a model, and `status` calls every shard
@@ -16,7 +17,9 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import yaml
 
+from dflash_batch.job import load_job
 from tests.jobs_util import read_out
 
 pytestmark = pytest.mark.slow
@@ -24,7 +27,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = [os.environ.get("LOCAL_SLURM_SCRIPT", ""), ROOT.parent / "shared/slurm/local-slurm.sh",
            Path("/work/shared/slurm/local-slurm.sh")]
-DEMO_ROWS = 72
+DEMO_ROWS, SAMPLES = 72, 3
 
 
 def _script() -> Path:
@@ -42,14 +45,13 @@ def slurm():
         pytest.skip("the one-node cluster runs its daemons as root")
     script = _script()
     env = {**os.environ, "LOCAL_SLURM_CRED_EXPIRE": "5", "LOCAL_SLURM_GRACE_TIME": "10"}
-    running = subprocess.run(["bash", str(script), "status"], env=env, capture_output=True, text=True)
     started = subprocess.run(["bash", str(script), "start"], env=env, capture_output=True, text=True)
     if started.returncode:
         pytest.skip(f"the one-node Slurm did not start: {started.stdout[-500:]} {started.stderr[-500:]}")
     conf = subprocess.run(["bash", str(script), "env"], env=env, capture_output=True, text=True, check=True)
     env["SLURM_CONF"] = conf.stdout.split("=", 1)[1].strip().strip("'\"")
     yield env
-    if "slurmctld" not in running.stdout or "not running" in running.stdout:  # we started it: stop it
+    if "started slurmctld" in started.stdout:  # this test started the cluster: stop it
         subprocess.run(["bash", str(script), "stop"], env=env, capture_output=True)
 
 
@@ -66,15 +68,28 @@ def _wait(env: dict, job: str, until, timeout: float, what: str) -> None:
         time.sleep(0.5)
 
 
+def _demo_job(tmp_path: Path) -> Path:
+    """jobs/demo.yaml with 3 samples a prompt, two at a time: a task decodes for long enough
+    (tens of seconds on one CPU) to be preempted in the middle."""
+    job = load_job(ROOT / "jobs/demo.yaml")
+    doc = job.model_dump(mode="json", exclude={"retry"})
+    doc["sampling"].update(n=SAMPLES, temperature=0.8)
+    doc["engine"]["max_num_seqs"] = 2
+    doc["buckets"] = [{**b, "max_num_seqs": 2} for b in doc["buckets"]]
+    (tmp_path / "demo.yaml").write_text(yaml.safe_dump(doc))
+    return tmp_path / "demo.yaml"
+
+
 def test_array_with_a_preempted_task_commits_every_row_once(slurm, tmp_path):
     env = slurm
     out = tmp_path / "out"
     (tmp_path / "logs").mkdir()  # the README's `mkdir -p logs`: Slurm does not create it
     submit = ["sbatch", "--parsable", "--array=0-3", "--gpus-per-node=0", "--cpus-per-task=1",
-              str(ROOT / "jobs/slurm/array.sbatch"), str(ROOT / "jobs/demo.yaml"), "--output-dir", str(out)]
+              str(ROOT / "jobs/slurm/array.sbatch"), str(_demo_job(tmp_path)), "--output-dir", str(out)]
     job = subprocess.run(submit, cwd=tmp_path, env=env, capture_output=True, text=True, check=True).stdout.strip()
     log = tmp_path / "logs" / f"dflash-batch-{job}_1.out"
-    # Preempt task 1 while it decodes: a few seconds after it starts (loading the demo pair takes one).
+    # Preempt task 1 a few seconds after it starts: while it decodes (a SIGTERM while it loads the
+    # demo pair would stop it before its first row, as well).
     _wait(env, job, lambda t: t.get("1") == "RUNNING", 300, "task 1 to start")
     time.sleep(4)
     assert _tasks(env, job).get("1") == "RUNNING", "task 1 finished before it could be preempted"
@@ -85,7 +100,8 @@ def test_array_with_a_preempted_task_commits_every_row_once(slurm, tmp_path):
 
     rows = read_out(out)
     keys = Counter((r["row_id"], r["sample_index"]) for r in rows)
-    assert len(keys) == DEMO_ROWS and max(keys.values()) == 1
+    assert len(keys) == DEMO_ROWS * SAMPLES and max(keys.values()) == 1
+    assert all(r["status"] == "ok" for r in rows), [r["error"] for r in rows if r["status"] != "ok"]
     status = subprocess.run(["dflash-batch", "status", str(out)], env=env, capture_output=True, text=True, check=True)
     assert "4 shard(s), 4 complete" in status.stdout, status.stdout
 

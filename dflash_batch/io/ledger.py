@@ -271,14 +271,18 @@ def bucket_stats(tables: Iterable[pa.Table]) -> dict[str, dict]:
     return totals
 
 
-def write_shard_stats(out_dir: Path, index: int, complete: bool, inputs: list | None = None) -> dict[str, dict]:
+def write_shard_stats(out_dir: Path, index: int, complete: bool, inputs: list | None = None,
+                      count: bool = True) -> dict[str, dict]:
     """Per-bucket totals of the shard's committed parts, whether its run got through all of its
     input (`inputs`: the fingerprint of the files it read), and, once it has, the keys committed
     more than once (`status` reads both): two input rows with one id. A row id always falls in
-    the same shard, so a shard's check is the run's."""
+    the same shard, so a shard's check is the run's. `count` False: the record without the
+    totals, which read every part (a preempted task has seconds before SIGKILL)."""
     files = part_files(out_dir, index)
-    stats = bucket_stats(pq.read_table(f, columns=STAT_COLUMNS) for f in files)
-    record = {"shard": index, "complete": complete, "inputs": inputs, "rows": _rows(files), "buckets": stats}
+    stats = bucket_stats(pq.read_table(f, columns=STAT_COLUMNS) for f in files) if count else {}
+    record = {"shard": index, "complete": complete, "inputs": inputs, "buckets": stats}
+    if count:
+        record["rows"] = _rows(files)
     if complete:
         keys = ["row_id", "sample_index"]
         record["duplicate_keys"] = duplicates((pq.read_table(f, columns=keys) for f in files), keys, spill_dir=out_dir)

@@ -8,6 +8,7 @@ ones it was counted from.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import orjson
@@ -33,15 +34,19 @@ def expected_rows(job: Job, count: int) -> list[int]:
     return rows
 
 
-def shard_plan(out_dir: Path, job: Job, count: int) -> list[int]:
-    """expected_rows, from OUT_DIR/shard_plan.json when it was counted from these input files."""
+def shard_plan(out_dir: Path, job: Job, count: int) -> list[int] | None:
+    """expected_rows, from OUT_DIR/shard_plan.json when it was counted from these input files;
+    None for remote inputs (no fingerprint to tell whether a count still holds, and counting
+    would read the whole dataset at every call)."""
     path = out_dir / "shard_plan.json"
     inputs = input_fingerprint(job.input)
+    if inputs is None:
+        return None
     if path.exists():
         cached = orjson.loads(path.read_bytes())
-        if inputs is not None and cached.get("inputs") == inputs and cached.get("count") == count:
+        if cached.get("inputs") == inputs and cached.get("count") == count:
             return cached["rows"]
     rows = expected_rows(job, count)
-    if inputs is not None:
+    with contextlib.suppress(Exception):  # a cache: a read-only OUT_DIR only costs the next count
         atomic_write_bytes(path, orjson.dumps({"count": count, "inputs": inputs, "rows": rows}))
     return rows
