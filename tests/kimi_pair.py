@@ -19,10 +19,10 @@ from dflash_batch.models.loader import load_model
 from tests.mla_drafter import (
     CONV_GROUP, CONV_TAPS, DN, DR, DV, HIDDEN, INTER, KL, LAYERS, QL, RANK, YARN, H, mla_drafter_tensors,
 )
-from tests.tiny_kimi import make_kimi_checkpoint
+from dflash_batch.testing.kimi import make_kimi_checkpoint
 
 VOCAB = 96                          # the tiny Kimi-K3's (hidden 64: HIDDEN below)
-TAPS = [1, 3]                       # 0-based: layer 1 is KDA, layer 3 MLA (tiny_kimi's default layout)
+TAPS = [1, 3]                       # 0-based: layer 1 is KDA, layer 3 MLA (testing/kimi.py's default layout)
 MASK = 95                           # the tiny Kimi's pad id: valid, and outside the active tokens
 ACTIVE = 8                          # tokens with a (peaked) head row in the target
 BLOCK = 8

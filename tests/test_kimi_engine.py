@@ -22,7 +22,7 @@ from tests.engine_util import F64, after_first, bucket, random_prompts, run
 from tests.kimi_pair import BLOCK, TAPS, VOCAB, load_pair, make_kimi_pair
 from tests.kimi_reference import load_reference, reference_forward
 from tests.test_tp import free_port
-from tests.tiny_kimi import make_kimi_checkpoint
+from dflash_batch.testing.kimi import make_kimi_checkpoint
 
 STREAMS = ["prefix", "attn_res"]
 # Mixed lengths: 1 (shorter than every window and page), and longer than the drafter's window (6)

@@ -15,7 +15,7 @@ from dflash_batch.engine.cache import SeqRows, build_meta
 from dflash_batch.models.loader import load_model
 from tests.kimi_reference import reference_forward
 from tests.numerics import assert_close
-from tests.tiny_kimi import make_kimi_checkpoint
+from dflash_batch.testing.kimi import make_kimi_checkpoint
 
 pytestmark = pytest.mark.numerics
 

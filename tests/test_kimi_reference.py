@@ -1,5 +1,5 @@
 """Sanity checks of the fp64 Kimi-K3 oracle (tests/kimi_reference.py) and the tiny checkpoint maker
-(tests/tiny_kimi.py) on their own, without the engine: layout, causality, hand-computed pieces,
+(dflash_batch/testing/kimi.py) on their own, without the engine: layout, causality, hand-computed pieces,
 routing, taps, and cross-checks against transformers' KDA core and the absorbed MLA form."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tests import kimi_reference as R
-from tests.tiny_kimi import FP32_SUFFIXES, TINY_KIMI_TEXT, make_kimi_checkpoint
+from dflash_batch.testing.kimi import FP32_SUFFIXES, TINY_KIMI_TEXT, make_kimi_checkpoint
 
 pytestmark = pytest.mark.numerics
 

@@ -13,7 +13,7 @@ from dflash_batch.engine.cache import SeqRows, build_meta
 from dflash_batch.models.loader import load_model
 from dflash_batch.models.quant import dequant_mxfp4
 from dflash_batch.plan.memory import planned_expert_bytes, resident_bytes
-from tests.tiny_kimi import make_kimi_checkpoint
+from dflash_batch.testing.kimi import make_kimi_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """A tiny random Kimi-K3 checkpoint in the real Hugging Face layout (seconds to build, CPU).
 
 Written from /work/shared/reference/kimi_k3_target.md (§1 config.json, §3 tensor names and shapes,
-precision 8 for the fp32 tensors). Shared by the engine tests and the fp64 oracle
+precision 8 for the fp32 tensors). Shared by the engine tests, benchmarks and the fp64 oracle
 (tests/kimi_reference.py); it imports nothing from dflash_batch.
 
 Layout, as in moonshotai/Kimi-K3:
