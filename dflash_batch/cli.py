@@ -1,4 +1,4 @@
-"""Command line: dflash-batch run | validate | status | report | export | retry | schema."""
+"""Command line: dflash-batch run | validate | status | report | export | retry | make-needle | schema."""
 
 from __future__ import annotations
 
@@ -361,6 +361,36 @@ def retry(out_dir: str, where: tuple[str, ...], sets: tuple[str, ...], output_di
     job_file = Path(output_dir) / JOB_FILE
     click.echo(f"{samples} sample(s) of {rows} row(s) chosen; run them with:\n  dflash-batch run {job_file}\n"
                f"then `dflash-batch export {output_dir} DEST` writes {out_dir}'s rows with these in their place")
+
+
+@main.command("make-needle")
+@click.argument("texts", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--tokenizer", "tokenizer_dir", required=True, type=click.Path(exists=True, file_okay=False),
+              help="The target's checkpoint (or tokenizer) directory: lengths count its tokens.")
+@click.option("--lengths", default="8192,32768,65536,131072", show_default=True,
+              help="Prompt lengths in tokens, comma-separated.")
+@click.option("--count", type=click.IntRange(min=1), default=20, show_default=True, help="Prompts per length.")
+@click.option("--keys", type=click.IntRange(min=1), default=4, show_default=True, help="Needles per prompt.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--out", "out_file", required=True, type=click.Path(dir_okay=False), help="JSONL file to write.")
+def make_needle(texts: tuple[str, ...], tokenizer_dir: str, lengths: str, count: int, keys: int, seed: int,
+                out_file: str) -> None:
+    """Write RULER-style multi-key needle prompts (JSONL: id, messages, needle_answer,
+    needle_length, needle_depths) at each length, TEXTS as the haystack. Run them with
+    messages_column: messages and passthrough_columns: [needle_answer, needle_length]; `report`
+    then puts retrieval beside acceptance."""
+    from dflash_batch.needle import make_needles
+    from dflash_batch.plan.tokenize import Tokenizer
+
+    try:
+        sizes = [int(x) for x in lengths.split(",")]
+        rows = make_needles([Path(t).read_text(errors="replace") for t in texts], Tokenizer(tokenizer_dir),
+                            sizes, count, keys, seed)
+        with open(out_file, "wb") as f:
+            written = sum(f.write(orjson.dumps(row) + b"\n") > 0 for row in rows)
+    except ValueError as e:
+        _fail(JobError(f"make-needle: {e}"))
+    click.echo(f"{out_file}: {written} prompts")
 
 
 @main.command()

@@ -19,34 +19,44 @@ from dflash_batch.plan.tokenize import Tokenizer
 NEEDLE = "One of the special magic numbers for {key} is: {value}."
 QUESTION = ("What is the special magic number for {key} mentioned in the provided text? "
             "Answer with the number only.")
-MARGIN = 64  # tokens left for the question and the chat template around the haystack
+TEMPLATE = 32  # tokens a chat template may add around the user's message
 
 
 def make_needles(texts: list[str], tokenizer: Tokenizer, lengths: list[int], count: int, keys: int,
                  seed: int = 0) -> Iterator[dict]:
-    """`count` rows per length: {id, messages, needle_answer, needle_length, needle_depths}."""
+    """`count` rows per length: {id, messages, needle_answer, needle_length, needle_depths}; a
+    row's message and a chat template's additions fit in `length` tokens."""
     corpus = tokenizer.encode_batch(["\n\n".join(t.strip() for t in texts if t.strip())], False)[0]
     if len(corpus) < 16:
         raise ValueError("the haystack text has fewer than 16 tokens: give more text")
+
+    def count_tokens(text: str) -> int:
+        return len(tokenizer.encode_batch([text], False)[0])
+
     for length in lengths:
-        if length <= MARGIN + 16 * keys:
-            raise ValueError(f"length {length} leaves no room for a haystack around {keys} needles")
         for i in range(count):
             rng = random.Random(f"{seed}:{length}:{i}")
-            names = [''.join(rng.choices(string.ascii_lowercase, k=8)) for _ in range(keys)]
+            names = ["".join(rng.choices(string.ascii_lowercase, k=8)) for _ in range(keys)]
             values = [str(rng.randrange(1_000_000, 10_000_000)) for _ in range(keys)]
             needles = [NEEDLE.format(key=k, value=v) for k, v in zip(names, values)]
-            room = length - MARGIN - sum(len(ids) for ids in tokenizer.encode_batch(needles, False))
-            start = rng.randrange(len(corpus))
-            hay = [corpus[(start + j) % len(corpus)] for j in range(room)]  # the text, repeated as needed
-            depths = sorted(rng.random() for _ in range(keys))
-            cuts = [0, *(int(d * room) for d in depths), room]
-            pieces = [tokenizer.decode(hay[a:b]) for a, b in zip(cuts, cuts[1:])]
+            asked = rng.randrange(keys)
+            question = QUESTION.format(key=names[asked])
+            start, depths = rng.randrange(len(corpus)), sorted(rng.random() for _ in range(keys))
             order = list(range(keys))
             rng.shuffle(order)  # which needle sits at which depth
-            context = pieces[0] + "".join(f" {needles[k]} {piece}" for k, piece in zip(order, pieces[1:]))
-            asked = rng.randrange(keys)
-            yield {"id": f"needle-{length}-{i:04d}",
-                   "messages": [{"role": "user", "content": f"{context}\n\n{QUESTION.format(key=names[asked])}"}],
+            room = length - TEMPLATE - count_tokens(question) - sum(map(count_tokens, needles))
+            for _ in range(10):  # text decoded in pieces tokenises a little differently: shrink to fit
+                if room < 16:
+                    raise ValueError(f"length {length} leaves no room for a haystack around {keys} needles")
+                hay = [corpus[(start + j) % len(corpus)] for j in range(room)]  # the text, repeated as needed
+                cuts = [0, *(int(d * room) for d in depths), room]
+                pieces = [tokenizer.decode(hay[a:b]) for a, b in zip(cuts, cuts[1:])]
+                context = pieces[0] + "".join(f" {needles[k]} {piece}" for k, piece in zip(order, pieces[1:]))
+                content = f"{context}\n\n{question}"
+                over = count_tokens(content) + TEMPLATE - length
+                if over <= 0:
+                    break
+                room -= over
+            yield {"id": f"needle-{length}-{i:04d}", "messages": [{"role": "user", "content": content}],
                    "needle_answer": values[asked], "needle_length": length,
                    "needle_depths": [round(depths[order.index(k)], 4) for k in range(keys)]}

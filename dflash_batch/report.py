@@ -7,7 +7,9 @@ proposal acceptance = sum(accepted) / sum((B-1) * rounds), alpha_k = #(rounds wi
 
 With an expected-answer column the tables also score the responses: `exact` (the stripped
 response is the answer), `contains` (the answer appears in it) or `last-number` (its last number
-equals the answer's, as GSM8K-style graders read a final answer).
+equals the answer's, as GSM8K-style graders read a final answer). Rows made by `make-needle`
+(a `needle_answer` column) are scored by it (`contains`), and a long-context table puts
+retrieval beside acceptance per bucket.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ import pyarrow.parquet as pq
 
 from dflash_batch.io.ledger import list_sums, part_files
 
-COLUMNS = ["row_id", "sample_index", "status", "finish_reason", "completion_tokens", "bucket", "spec_block_size",
-           "spec_rounds", "spec_accepted", "spec_histogram"]
+COLUMNS = ["row_id", "sample_index", "status", "finish_reason", "prompt_tokens", "completion_tokens", "bucket",
+           "spec_block_size", "spec_rounds", "spec_accepted", "spec_histogram"]
+NEEDLE = "needle_answer"  # make-needle's expected values: report scores retrieval by them
 
 
 MATCHES = ("exact", "contains", "last-number")
@@ -49,8 +52,8 @@ def is_right(response: str | None, answer, match: str) -> bool:
 class _Totals:
     """One table line's sums, added part by part."""
 
-    COUNTS = ("prompts", "requests", "errors", "truncated", "tokens", "rounds", "accepted", "drafted", "right",
-              "scored")
+    COUNTS = ("prompts", "requests", "errors", "truncated", "in_tokens", "tokens", "rounds", "accepted", "drafted",
+              "right", "scored")
 
     def __init__(self) -> None:
         self.sums = dict.fromkeys(self.COUNTS, 0)
@@ -70,6 +73,7 @@ class _Totals:
             "acc_len": 1 + s["accepted"] / rounds if rounds else None,
             "proposal_acceptance": s["accepted"] / s["drafted"] if s["drafted"] else None,
             "prompts": s["prompts"], "requests": s["requests"], "errors": s["errors"], "truncated": s["truncated"],
+            "mean_in_tokens": s["in_tokens"] / s["prompts"] if s["prompts"] else None,
             "mean_out_tokens": s["tokens"] / s["requests"] if s["requests"] else None,
             "rounds": rounds, "accepted": s["accepted"],
             "histogram": hist,  # rounds with n = 0..B-1 accepted drafts
@@ -87,8 +91,10 @@ def _part_sums(t: pa.Table, answer: str | None, match: str) -> pa.Table:
         return pc.if_else(mask, pc.fill_null(col, 0), 0).cast(pa.int64())
 
     rounds = where(spec, t["spec_rounds"])
+    first = pc.equal(t["sample_index"], 0)
     cols = {
-        "prompts": pc.equal(t["sample_index"], 0).cast(pa.int64()), "requests": ok.cast(pa.int64()),
+        "prompts": first.cast(pa.int64()), "requests": ok.cast(pa.int64()),
+        "in_tokens": where(first, t["prompt_tokens"]),
         "errors": pc.invert(ok).cast(pa.int64()),
         "truncated": pc.and_(ok, pc.equal(t["finish_reason"], "length")).cast(pa.int64()),
         "tokens": where(ok, t["completion_tokens"]), "rounds": rounds, "accepted": where(spec, t["spec_accepted"]),
@@ -111,6 +117,8 @@ def build_report(out_dir: Path, group_by: str | None = None, answer: str | None 
     names = pq.read_schema(files[0]).names
     if group_by is None and "dataset" in names:
         group_by = "dataset"
+    if answer is None and NEEDLE in names:  # make-needle prompts: retrieval is their answer
+        answer, match = NEEDLE, "contains"
     for col, what in ((group_by, "group by"), (answer, "score against")):
         if col is not None and col not in names:
             raise KeyError(f"{out_dir}: no column {col!r} to {what} in the output (columns: {names})")
@@ -170,6 +178,13 @@ def to_markdown(report: dict) -> str:
                                            {**report["groups"], "all": overall} if len(report["groups"]) > 1
                                            else report["groups"]),
              "", "## By length bucket", "", *_table("bucket", report["buckets"]), ""]
+    if report["answer"] == NEEDLE:  # the card's long-context table: acceptance beside retrieval
+        lines += ["## Long context", "", "| bucket | input tokens | acc_len | proposal acceptance | retrieval |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {name} | {_fmt(s['mean_in_tokens'], 0)} | {_fmt(s['acc_len'])} | "
+                  f"{_fmt(s['proposal_acceptance'], 3)} | {s['right']}/{s['scored']} |"
+                  for name, s in report["buckets"].items()]
+        lines.append("")
     if overall["rounds"]:
         width = len(overall["histogram"])
         lines += ["## Per-position acceptance (pooled)", "",
