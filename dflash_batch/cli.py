@@ -251,14 +251,15 @@ def status(out_dir: str) -> None:
     done = [by_shard[(i, "ok")] + by_shard[(i, "error")] for i in range(num_shards)]
     states = shard_states(out, num_shards)  # what each shard's runs recorded of reaching their end
     expected = [None] * num_shards
-    try:  # each shard's rows once complete, counted from the inputs (cached in OUT_DIR)
+    try:  # each shard's rows once complete, counted from local inputs (cached in OUT_DIR)
         job = Job.model_validate(run_record["job"])
-        expected = shard_plan(out, job, num_shards) or expected
         inputs = input_fingerprint(job.input)
-        # Complete by count, or because its run got through these very inputs (duplicate ids
-        # make the counts disagree); a run's record of an end before the inputs changed is not.
-        states = ["complete" if (e is not None and d >= e) or shard_finished(out, i, inputs) else
-                  "incomplete" if s == "complete" else s for i, (d, e, s) in enumerate(zip(done, expected, states))]
+        if inputs is not None:
+            expected = shard_plan(out, job, num_shards, inputs)
+            # Complete by count, or because its run got through these very inputs (duplicate ids
+            # make the counts disagree); a run's record of an end before the inputs changed is not.
+            states = ["complete" if d >= e or shard_finished(out, i, inputs) else "incomplete" if s == "complete"
+                      else s for i, (d, e, s) in enumerate(zip(done, expected, states))]
     except Exception as e:  # noqa: BLE001 - inputs gone or moved, a job this version reads otherwise
         click.echo(f"(expected rows unknown: {e})", err=True)
     click.echo(_table(["shard", "expected", "ok", "error", "state"],
@@ -386,8 +387,11 @@ def make_needle(texts: tuple[str, ...], tokenizer_dir: str, lengths: str, count:
         sizes = [int(x) for x in lengths.split(",")]
         rows = make_needles([Path(t).read_text(errors="replace") for t in texts], Tokenizer(tokenizer_dir),
                             sizes, count, keys, seed)
+        written = 0
         with open(out_file, "wb") as f:
-            written = sum(f.write(orjson.dumps(row) + b"\n") > 0 for row in rows)
+            for row in rows:
+                f.write(orjson.dumps(row) + b"\n")
+                written += 1
     except ValueError as e:
         _fail(JobError(f"make-needle: {e}"))
     click.echo(f"{out_file}: {written} prompts")

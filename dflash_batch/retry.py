@@ -12,6 +12,7 @@ of a retry chooses from the merged rows of its parents.
 
 from __future__ import annotations
 
+from functools import reduce
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +43,7 @@ def _chosen(table: pa.Table, where: list[str]) -> pa.Array:
             masks.append(pc.equal(table["finish_reason"], "length"))
         else:
             masks.append(pc.equal(table["error_type"], w.removeprefix("error_type=")))
-    mask = masks[0]
-    for m in masks[1:]:
-        mask = pc.or_(mask, m)
-    return pc.fill_null(mask, False)
+    return pc.fill_null(reduce(pc.or_, masks), False)
 
 
 def _set(doc: dict, field: str, text: str) -> Any:

@@ -236,15 +236,18 @@ class _Run:
             if not row.error_type and (self.grammars is not None or wants_grammar(row.sampling)):
                 self._check_grammar(row)
             if row.error_type:
-                for i in range(row.sampling.n):
-                    if (row.row_id, i) not in self.done:
-                        self._commit(self._error_row(row, i))
+                self._commit_errors(row)
             else:
                 by_bucket.setdefault(row.bucket, []).append(row)
         for b in sorted(by_bucket):
             self._run_bucket(self.buckets[b], by_bucket[b])
         for row in duplicates:
-            for i in range(row.sampling.n):
+            self._commit_errors(row)
+
+    def _commit_errors(self, row: PreparedRow) -> None:
+        """A failed row's samples not committed yet, as error rows."""
+        for i in range(row.sampling.n):
+            if (row.row_id, i) not in self.done:
                 self._commit(self._error_row(row, i))
 
     def _preemptible(self, batches: Iterator[list[PreparedRow]]) -> Iterator[list[PreparedRow]]:

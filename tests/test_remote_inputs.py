@@ -7,7 +7,9 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from click.testing import CliRunner
 
+from dflash_batch.cli import main
 from dflash_batch.job import JobError
 from dflash_batch.plan.shards import Shard
 from dflash_batch.runner import run_job
@@ -38,6 +40,9 @@ def test_remote_inputs_give_the_local_rows(tmp_path, model_dir, where):
         run_job(write_job(tmp_path, doc, f"{name}.yaml"), fake_factory(), Shard(0, 1), progress=False)
     got, want = read_out(tmp_path / "out-remote"), read_out(tmp_path / "out-local")
     assert len(want) == 17 and without_dir(got) == without_dir(want)
+    # Remote inputs are not counted for status (no fingerprint): the finished run's record decides.
+    status = CliRunner().invoke(main, ["status", str(tmp_path / "out-remote")]).output
+    assert "1 shard(s), 1 complete" in status, status
 
 
 @pytest.mark.parametrize("url, package", [("s3://bucket/p.jsonl", "s3fs"), ("gs://bucket/p.jsonl", "gcsfs")])

@@ -14,7 +14,7 @@ from pathlib import Path
 import orjson
 import pyarrow.parquet as pq
 
-from dflash_batch.io.inputs import input_fingerprint, read_records
+from dflash_batch.io.inputs import read_records
 from dflash_batch.io.outputs import atomic_write_bytes
 from dflash_batch.job import Job
 from dflash_batch.plan.rows import RowPreparer
@@ -34,14 +34,11 @@ def expected_rows(job: Job, count: int) -> list[int]:
     return rows
 
 
-def shard_plan(out_dir: Path, job: Job, count: int) -> list[int] | None:
-    """expected_rows, from OUT_DIR/shard_plan.json when it was counted from these input files;
-    None for remote inputs (no fingerprint to tell whether a count still holds, and counting
-    would read the whole dataset at every call)."""
+def shard_plan(out_dir: Path, job: Job, count: int, inputs: list) -> list[int]:
+    """expected_rows, from OUT_DIR/shard_plan.json when it was counted from these input files
+    (`inputs`: io.inputs.input_fingerprint's; remote inputs have none, and are not counted:
+    nothing would tell whether a count still holds, and counting reads the whole dataset)."""
     path = out_dir / "shard_plan.json"
-    inputs = input_fingerprint(job.input)
-    if inputs is None:
-        return None
     if path.exists():
         cached = orjson.loads(path.read_bytes())
         if cached.get("inputs") == inputs and cached.get("count") == count:
