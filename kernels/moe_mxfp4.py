@@ -122,6 +122,25 @@ def _dequant_tile(packed_ptr, scale_ptr, rows, cols, row_mask, col_mask, packed_
 
 
 @jit
+def _even_odd(row_ptr, b, mask, DOT: tl.constexpr):
+    """Input columns 2b and 2b+1 of the rows at row_ptr [M, 1], in DOT: the left operands of a
+    byte tile's two halves."""
+    even = tl.load(row_ptr + 2 * b[None, :], mask=mask, other=0.0).to(DOT)
+    odd = tl.load(row_ptr + 2 * b[None, :] + 1, mask=mask, other=0.0).to(DOT)
+    return even, odd
+
+
+@jit
+def _packed_dot(acc, even, odd, packed_ptr, scale_ptr, n, b, n_mask, b_mask, packed_width, groups,
+                DOT: tl.constexpr):
+    """acc + (the rows' columns) @ W^T over one byte tile of a packed weight: output features n,
+    byte columns b, each half of a byte against its own columns, every byte loaded once."""
+    lo, hi = _dequant_tile(packed_ptr, scale_ptr, n, b, n_mask, b_mask, packed_width, groups, DOT)
+    acc = tl.dot(even, lo, acc, input_precision="ieee")
+    return tl.dot(odd, hi, acc, input_precision="ieee")
+
+
+@jit
 def _gate_up_kernel(x_ptr, pair_ptr, tile_expert_ptr, tile_begin_ptr, tile_end_ptr,
                     w1_ptr, s1_ptr, w3_ptr, s3_ptr, h_ptr, K, I, groups, top_k, beta, linear_beta,
                     DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KB: tl.constexpr):
@@ -149,15 +168,9 @@ def _gate_up_kernel(x_ptr, pair_ptr, tile_expert_ptr, tile_begin_ptr, tile_end_p
     for start in range(0, packed_width, BLOCK_KB):
         b = start + tl.arange(0, BLOCK_KB)
         b_mask = b < packed_width
-        x_mask = r_mask[:, None] & b_mask[None, :]
-        x_even = tl.load(x_row + 2 * b[None, :], mask=x_mask, other=0.0).to(DOT)
-        x_odd = tl.load(x_row + 2 * b[None, :] + 1, mask=x_mask, other=0.0).to(DOT)
-        lo, hi = _dequant_tile(w1_ptr, s1_ptr, n, b, n_mask, b_mask, packed_width, groups, DOT)
-        gate = tl.dot(x_even, lo, gate, input_precision="ieee")
-        gate = tl.dot(x_odd, hi, gate, input_precision="ieee")
-        lo, hi = _dequant_tile(w3_ptr, s3_ptr, n, b, n_mask, b_mask, packed_width, groups, DOT)
-        up = tl.dot(x_even, lo, up, input_precision="ieee")
-        up = tl.dot(x_odd, hi, up, input_precision="ieee")
+        x_even, x_odd = _even_odd(x_row, b, r_mask[:, None] & b_mask[None, :], DOT)  # read once, for both
+        gate = _packed_dot(gate, x_even, x_odd, w1_ptr, s1_ptr, n, b, n_mask, b_mask, packed_width, groups, DOT)
+        up = _packed_dot(up, x_even, x_odd, w3_ptr, s3_ptr, n, b, n_mask, b_mask, packed_width, groups, DOT)
     # The projections round to x's dtype (nn.Linear's output), SiTU runs in float32.
     g = gate.to(DTYPE).to(tl.float32)
     u = up.to(DTYPE).to(tl.float32)
@@ -189,12 +202,8 @@ def _down_kernel(h_ptr, pair_ptr, weight_ptr, tile_expert_ptr, tile_begin_ptr, t
     for start in range(0, packed_width, BLOCK_KB):
         b = start + tl.arange(0, BLOCK_KB)
         b_mask = b < packed_width
-        h_mask = r_mask[:, None] & b_mask[None, :]
-        h_even = tl.load(h_row + 2 * b[None, :], mask=h_mask, other=0.0).to(DOT)
-        h_odd = tl.load(h_row + 2 * b[None, :] + 1, mask=h_mask, other=0.0).to(DOT)
-        lo, hi = _dequant_tile(w2_ptr, s2_ptr, n, b, n_mask, b_mask, packed_width, groups, DOT)
-        acc = tl.dot(h_even, lo, acc, input_precision="ieee")
-        acc = tl.dot(h_odd, hi, acc, input_precision="ieee")
+        h_even, h_odd = _even_odd(h_row, b, r_mask[:, None] & b_mask[None, :], DOT)
+        acc = _packed_dot(acc, h_even, h_odd, w2_ptr, s2_ptr, n, b, n_mask, b_mask, packed_width, groups, DOT)
     # y rounds to x's dtype (nn.Linear), then y * weight rounds once (the exact product of two
     # values of x's dtype fits float32).
     weight = tl.load(weight_ptr + pair, mask=r_mask, other=0.0).to(tl.float32)
