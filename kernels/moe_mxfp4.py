@@ -39,6 +39,8 @@ Decisions:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kernels._triton import jit, tl, triton
@@ -77,14 +79,22 @@ def moe_mxfp4_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                     w2: torch.Tensor, w2_scale: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
     """x [T, K], ids [T, k] int64 in [0, E), weights [T, k] (x's dtype), w1/w3 uint8 [E, I, K/2] with
     scales [E, I, ceil(K/32)], w2 uint8 [E, N, I/2] with scale [E, N, ceil(I/32)] -> out [T, N]."""
-    out = x.new_zeros(x.shape[0], w2.shape[1])
-    for e in ids.unique().tolist():
-        rows, slot = (ids == e).nonzero(as_tuple=True)
-        xe = x[rows]
+    def expert(e: int, xe: torch.Tensor) -> torch.Tensor:
         gate = torch.nn.functional.linear(xe, dequant_mxfp4(w1[e], w1_scale[e], x.dtype))
         up = torch.nn.functional.linear(xe, dequant_mxfp4(w3[e], w3_scale[e], x.dtype))
-        y = torch.nn.functional.linear(situ(gate, up, beta, linear_beta), dequant_mxfp4(w2[e], w2_scale[e], x.dtype))
-        out.index_add_(0, rows, y * weights[rows, slot, None])
+        return torch.nn.functional.linear(situ(gate, up, beta, linear_beta), dequant_mxfp4(w2[e], w2_scale[e], x.dtype))
+
+    return routed_sum(x, ids, weights, w2.shape[1], expert)
+
+
+def routed_sum(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, width: int,
+               expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """sum_j weights[t, j] * expert(ids[t, j], x_t) [T, width], one expert at a time in
+    ascending order, summed in x's dtype (LatentMoE's order, whatever its experts are stored as)."""
+    out = x.new_zeros(x.shape[0], width)
+    for e in ids.unique().tolist():
+        rows, slot = (ids == e).nonzero(as_tuple=True)
+        out.index_add_(0, rows, expert(e, x[rows]) * weights[rows, slot, None])
     return out
 
 
