@@ -258,12 +258,9 @@ def _merge(into: dict[str, dict], more: dict[str, dict]) -> None:
             a[k] = _add_lists(a[k], v) if k == "spec_histogram" else a[k] + v
 
 
-def bucket_stats(tables: Iterable[pa.Table]) -> dict[str, dict]:
-    """Per-bucket totals over tables read one at a time (memory stays that of one part);
-    acceptance as ratios of sums, never means of per-row ratios."""
-    totals: dict[str, dict] = {}
-    for t in tables:
-        _merge(totals, _bucket_totals(t))
+def _with_ratios(totals: dict[str, dict]) -> dict[str, dict]:
+    """Per-bucket totals with their ratios: acceptance as ratios of sums, never means of per-row
+    ratios."""
     for b in totals.values():
         b["error"] = b["rows"] - b["ok"]
         b["acc_len"] = 1 + b["spec_accepted"] / b["spec_rounds"] if b["spec_rounds"] else None
@@ -278,14 +275,24 @@ def write_shard_stats(out_dir: Path, index: int, complete: bool, inputs: list | 
     more than once (`status` reads both): two input rows with one id. A row id always falls in
     the same shard, so a shard's check is the run's. `count` False: the record without the
     totals, which read every part (a preempted task has seconds before SIGKILL)."""
-    files = part_files(out_dir, index)
-    stats = bucket_stats(pq.read_table(f, columns=STAT_COLUMNS) for f in files) if count else {}
-    record = {"shard": index, "complete": complete, "inputs": inputs, "buckets": stats}
+    files = part_files(out_dir, index) if count or complete else []
+    keys, totals = ["row_id", "sample_index"], {}
+
+    def parts() -> Iterator[pa.Table]:  # each part read once: its totals, then its keys
+        for f in files:
+            t = pq.read_table(f, columns=STAT_COLUMNS + keys)
+            _merge(totals, _bucket_totals(t))
+            yield t.select(keys)
+
+    record = {"shard": index, "complete": complete, "inputs": inputs}
+    if complete:
+        record["duplicate_keys"] = duplicates(parts(), keys, spill_dir=out_dir)
+    elif count:
+        for _ in parts():
+            pass
+    stats = record["buckets"] = _with_ratios(totals)
     if count:
         record["rows"] = _rows(files)
-    if complete:
-        keys = ["row_id", "sample_index"]
-        record["duplicate_keys"] = duplicates((pq.read_table(f, columns=keys) for f in files), keys, spill_dir=out_dir)
     (out_dir / "stats").mkdir(exist_ok=True)
     atomic_write_bytes(out_dir / "stats" / f"shard-{index:05d}.json", orjson.dumps(record, option=orjson.OPT_INDENT_2))
     return stats
