@@ -1,7 +1,9 @@
 """Memory plan for the production pair (Kimi-K3 + kimi-k3-dflash2) at TP8 on 288 GB GPUs.
 
 Shapes are those of the reference checkpoint configs (shared/reference). Prints the cache bytes
-per token and per sequence, weights per rank, and the largest max_num_seqs per length bucket.
+per token and per sequence, weights per rank, and the largest max_num_seqs per length bucket, as
+the engine allocates them (the drafter's sliding layers in rings of their window and a block,
+its full layer per token) and with the sliding layers kept whole.
 
 usage: python benchmarks/kimi_memory.py [--gpu-gb 288] [--reserve-gb 16] [--tp 8]
 """
@@ -19,6 +21,7 @@ Q_LORA, KV_LORA, ROPE, NOPE, V = 1536, 512, 64, 128, 128
 MLA_HEADS = 96
 EXPERTS, TOPK, MOE_I, LATENT, SHARED_I, DENSE_I = 896, 16, 3072, 3584, 6144, 33792
 DRAFT_LAYERS, DRAFT_HEADS, DRAFT_I, BLOCK, TAPS, SEL_R = 5, 64, 14336, 8, 5, 256
+DRAFT_SLIDING, DRAFT_WINDOW, PAGE = 4, 4096, 16  # 4 sliding layers (window 4096) + 1 full
 BF16, F32 = 2, 4
 GB = 1e9
 EXPERT_CONFIG = dict(num_hidden_layers=LAYERS, first_k_dense_replace=1, moe_layer_freq=1, num_experts=EXPERTS,
@@ -53,25 +56,31 @@ def main() -> None:
     args = ap.parse_args()
     tp = args.tp
     mla_token = MLA * (KV_LORA + ROPE) * BF16               # replicated on every rank
-    draft_token = DRAFT_LAYERS * (KV_LORA + ROPE) * BF16
+    draft_layer_token = (KV_LORA + ROPE) * BF16
+    draft_token = (DRAFT_LAYERS - DRAFT_SLIDING) * draft_layer_token  # the full layer
+    ring_slots = -(-(DRAFT_WINDOW + BLOCK - 1) // PAGE) * PAGE  # engine/engine.py: drafter.ring_pages
+    rings = DRAFT_SLIDING * ring_slots * draft_layer_token
     heads = KDA_HEADS // tp
     kda_state = KDA * (heads * KDA_D * KDA_D * F32 + 3 * heads * KDA_D * (CONV - 1) * BF16)
     staged = BLOCK * KDA * heads * KDA_D * KDA_D * F32      # a state per verify row (before replay)
     replay = BLOCK * KDA * (3 * heads * KDA_D * BF16 + (heads * KDA_D + heads) * F32)  # raw qkv; gate, beta
-    print(f"per token, per rank: MLA latent {mla_token:,} B, drafter latent {draft_token:,} B")
-    print(f"per sequence, per rank: KDA state {kda_state / 1e6:.1f} MB; verify staging "
-          f"{replay / 1e6:.1f} MB replay inputs (per-row states, before replay: {staged / 1e6:.0f} MB)")
+    print(f"per token, per rank: MLA latent {mla_token:,} B, drafter latent {draft_token:,} B (its full layer)")
+    print(f"per sequence, per rank: KDA state {kda_state / 1e6:.1f} MB; drafter rings {rings / 1e6:.1f} MB "
+          f"({DRAFT_SLIDING} sliding layers x {ring_slots} slots); verify staging {replay / 1e6:.1f} MB replay "
+          f"inputs (per-row states, before replay: {staged / 1e6:.0f} MB)")
     w = weights_per_rank(tp)
     for k, v in w.items():
         print(f"weights per rank, {k}: {v / GB:.1f} GB")
     free = args.gpu_gb * GB - sum(w.values()) - args.reserve_gb * GB
     print(f"weights total {sum(w.values()) / GB:.1f} GB; left for caches on a {args.gpu_gb:.0f} GB GPU: "
           f"{free / GB:.1f} GB (after {args.reserve_gb:.0f} GB reserve)")
-    print(f"{'bucket':>7} {'GB/seq':>16} {'max_num_seqs':>13} {'GB/seq (before)':>16} {'max_num_seqs':>13}")
+    print(f"{'bucket':>7} {'GB/seq':>8} {'max_num_seqs':>13} {'GB/seq (sliding layers whole)':>30} "
+          f"{'max_num_seqs':>13}")
     for ctx in (8192, 32768, 65536, 131072):
-        per = ctx * (mla_token + draft_token) + kda_state
-        print(f"{ctx // 1024:>6}k {(per + replay) / GB:>16.2f} {int(free // (per + replay)):>13} "
-              f"{(per + staged) / GB:>16.2f} {int(free // (per + staged)):>13}")
+        ringed = ctx * (mla_token + draft_token) + rings + kda_state + replay
+        whole = ctx * (mla_token + DRAFT_LAYERS * draft_layer_token) + kda_state + replay
+        print(f"{ctx // 1024:>6}k {ringed / GB:>8.2f} {int(free // ringed):>13} {whole / GB:>30.2f} "
+              f"{int(free // whole):>13}")
 
 
 if __name__ == "__main__":

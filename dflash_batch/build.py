@@ -14,7 +14,7 @@ import torch
 from dflash_batch import parallel
 from dflash_batch.engine.engine import Engine
 from dflash_batch.engine.pair import attach_drafter
-from dflash_batch.job import Job, JobError
+from dflash_batch.job import AutoSpeculationSpec, Job, JobError
 from dflash_batch.models.dflash import draft_value
 from dflash_batch.models.loader import load_config, load_model
 from dflash_batch.plan.tokenize import Tokenizer
@@ -168,8 +168,10 @@ def build_engine(job: Job, tokenizer: Tokenizer, setup: EngineSetup | None = Non
             raise JobError(f"model.drafter {job.model.drafter}: {e}") from None
         say(f"taps: layers={tuple(target.tap_ids)} stream={target.tap_stream}")
     say(setup.describe())
+    auto = job.engine.auto_speculation or AutoSpeculationSpec()
     return Engine(target, drafter, tokenizer.decode, page_size=job.engine.page_size,
                   max_num_batched_tokens=job.engine.max_num_batched_tokens, dtype=dtype, device=setup.device,
                   attention=_attention(setup), capture_sizes=setup.capture_sizes, cuda_graphs=setup.cuda_graphs,
-                  compile=setup.compile, share_prompts=job.engine.share_prompts, log=say)
+                  compile=setup.compile, share_prompts=job.engine.share_prompts, log=say,
+                  auto_speculation=(auto.min_acc_len, auto.rounds))
 

@@ -109,6 +109,13 @@ class ModelSpec(_Strict):
     tensor_parallel_size: int = Field(1, ge=1, le=64)
 
 
+class AutoSpeculationSpec(_Strict):
+    min_acc_len: float = Field(1.5, ge=1.0, description="An auto bucket stops speculating when its acceptance "
+                               "length over the last `rounds` sequence-rounds is below this.")
+    rounds: int = Field(1024, ge=1, description="Sequence-rounds (one per running sequence per round) the "
+                        "acceptance length is measured over.")
+
+
 class EngineSpec(_Strict):
     max_model_len: int = Field(8192, ge=16, le=MAX_CONTEXT, description="Prompt + generated tokens, "
                                "at most.")
@@ -131,12 +138,18 @@ class EngineSpec(_Strict):
         None, description="Batch sizes captured as CUDA graphs (a round is padded to the next one); "
         "absent: powers of two up to the largest max_num_seqs, and it. Only with CUDA graphs on.")
     page_size: int = Field(16, ge=1, description="Tokens per KV-cache page.")
+    auto_speculation: AutoSpeculationSpec | None = Field(
+        None, description="When buckets with `speculation: auto` turn it off; absent: the defaults. Only "
+        "with such a bucket.")
 
 
 class BucketSpec(_Strict):
     max_tokens: int = Field(ge=1, le=MAX_CONTEXT, description="Upper edge: prompt + max_new_tokens.")
     max_num_seqs: int | None = Field(None, ge=1, description="Default: engine.max_num_seqs.")
-    speculation: bool = Field(True, description="Use the drafter in this bucket (if one is configured).")
+    speculation: bool | Literal["auto"] = Field(
+        True, description="Use the drafter in this bucket (if one is configured). auto: use it until its "
+        "acceptance length falls below engine.auto_speculation.min_acc_len, then decode target-only for the "
+        "rest of the run (needs model.drafter).")
     block_size: int | None = Field(None, ge=2, le=64, description="Verify width (anchor + drafts); "
                                    "default: the drafter's.")
 
@@ -295,6 +308,11 @@ class Job(_Strict):
         if edges and edges[-1] > self.engine.max_model_len:
             raise ValueError(f"the last bucket ({edges[-1]}) exceeds engine.max_model_len "
                              f"({self.engine.max_model_len})")
+        auto = [b.max_tokens for b in self.buckets if b.speculation == "auto"]
+        if auto and not self.model.drafter:
+            raise ValueError(f"buckets {auto} have speculation: auto, which needs model.drafter")
+        if self.engine.auto_speculation is not None and not auto:
+            raise ValueError("engine.auto_speculation is set but no bucket has speculation: auto; remove it")
         return self
 
     def resolved_buckets(self) -> list[BucketSpec]:

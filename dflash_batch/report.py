@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from dflash_batch.io.ledger import list_sums, part_files
+from dflash_batch.io.ledger import list_sums, part_files, speculation
 
 COLUMNS = ["row_id", "sample_index", "status", "finish_reason", "prompt_tokens", "completion_tokens", "bucket",
            "spec_block_size", "spec_rounds", "spec_accepted", "spec_histogram"]
@@ -53,7 +53,7 @@ class _Totals:
     """One table line's sums, added part by part."""
 
     COUNTS = ("prompts", "requests", "errors", "truncated", "in_tokens", "tokens", "rounds", "accepted", "drafted",
-              "right", "scored")
+              "speculated", "right", "scored")
 
     def __init__(self) -> None:
         self.sums = dict.fromkeys(self.COUNTS, 0)
@@ -76,6 +76,7 @@ class _Totals:
             "mean_in_tokens": s["in_tokens"] / s["prompts"] if s["prompts"] else None,
             "mean_out_tokens": s["tokens"] / s["requests"] if s["requests"] else None,
             "rounds": rounds, "accepted": s["accepted"],
+            "speculation": speculation(s["speculated"], s["requests"]),  # on | off | on for k/n (auto)
             "histogram": hist,  # rounds with n = 0..B-1 accepted drafts
             "alpha": [sum(hist[k:]) / rounds for k in range(1, len(hist))] if rounds else [],
             "right": s["right"] if answer else None, "scored": s["scored"] if answer else None,
@@ -98,7 +99,8 @@ def _part_sums(t: pa.Table, answer: str | None, match: str) -> pa.Table:
         "errors": pc.invert(ok).cast(pa.int64()),
         "truncated": pc.and_(ok, pc.equal(t["finish_reason"], "length")).cast(pa.int64()),
         "tokens": where(ok, t["completion_tokens"]), "rounds": rounds, "accepted": where(spec, t["spec_accepted"]),
-        "drafted": pc.multiply(where(spec, pc.subtract(t["spec_block_size"], 1)), rounds)}
+        "drafted": pc.multiply(where(spec, pc.subtract(t["spec_block_size"], 1)), rounds),
+        "speculated": pc.and_(ok, pc.is_valid(t["spec_block_size"])).cast(pa.int64())}
     if answer:  # scoring reads the text: Python, but one part at a time
         oks = ok.to_pylist()
         cols["right"] = pa.array([int(bool(o) and is_right(r, a, match)) for o, r, a in
@@ -161,13 +163,16 @@ def _fmt(v, digits: int = 2) -> str:
     return "-" if v is None else f"{v:.{digits}f}" if isinstance(v, float) else str(v)
 
 
-def _table(title: str, rows: dict[str, dict]) -> list[str]:
+def _table(title: str, rows: dict[str, dict], speculation: bool = False) -> list[str]:
+    """`speculation`: a column saying whether each line's requests ran with the drafter."""
     scored = any(s["right"] is not None for s in rows.values())
     lines = [f"| {title} | acc_len | proposal acceptance | prompts | requests | truncated | mean out tok |"
-             + (" right |" if scored else ""), "|---|---|---|---|---|---|---|" + ("---|" if scored else "")]
+             + (" speculation |" if speculation else "") + (" right |" if scored else ""),
+             "|---|---|---|---|---|---|---|" + ("---|" if speculation else "") + ("---|" if scored else "")]
     for name, s in rows.items():
         lines.append(f"| {name} | {_fmt(s['acc_len'])} | {_fmt(s['proposal_acceptance'], 3)} | {s['prompts']} | "
                      f"{s['requests']} | {s['truncated']} | {_fmt(s['mean_out_tokens'], 1)} |"
+                     + (f" {s['speculation']} |" if speculation else "")
                      + (f" {s['right']}/{s['scored']} |" if scored else ""))
     return lines
 
@@ -177,12 +182,13 @@ def to_markdown(report: dict) -> str:
     lines = ["## Acceptance", "", *_table(report["group_by"] or "benchmark",
                                            {**report["groups"], "all": overall} if len(report["groups"]) > 1
                                            else report["groups"]),
-             "", "## By length bucket", "", *_table("bucket", report["buckets"]), ""]
+             "", "## By length bucket", "", *_table("bucket", report["buckets"], speculation=True), ""]
     if report["answer"] == NEEDLE:  # the card's long-context table: acceptance beside retrieval
-        lines += ["## Long context", "", "| bucket | input tokens | acc_len | proposal acceptance | retrieval |",
-                  "|---|---|---|---|---|"]
+        lines += ["## Long context", "",
+                  "| bucket | input tokens | acc_len | proposal acceptance | retrieval | speculation |",
+                  "|---|---|---|---|---|---|"]
         lines += [f"| {name} | {_fmt(s['mean_in_tokens'], 0)} | {_fmt(s['acc_len'])} | "
-                  f"{_fmt(s['proposal_acceptance'], 3)} | {s['right']}/{s['scored']} |"
+                  f"{_fmt(s['proposal_acceptance'], 3)} | {s['right']}/{s['scored']} | {s['speculation']} |"
                   for name, s in report["buckets"].items()]
         lines.append("")
     if overall["rounds"]:

@@ -1,8 +1,10 @@
 """The torch reference attention over a long context: past SCORES_LIMIT it attends to the keys a
-block at a time with an online softmax (memory in the block, not in the context). Blocked ==
-one-shot SDPA on paged caches (GQA heads, absorbed MLA latents, causal, sliding windows both
-ways, padding rows, scattered pages), in float64 to 1e-12; and a tiny Kimi-K3's chunked prefill
-of a 600-token prompt gives the same logits through blocks as through one SDPA."""
+block at a time, merging the blocks by their log-sum-exp (memory in the block, not in the
+context). Blocked == one-shot SDPA on paged caches (GQA heads, absorbed MLA latents, causal,
+sliding windows both ways (read as a window-long span of keys), padding rows, scattered pages),
+through ATen's fused CPU kernel and through plain ops (the path other devices take), in float64
+to 1e-12; and a tiny Kimi-K3's chunked prefill of a 600-token prompt gives the same logits
+through blocks as through one SDPA."""
 
 from __future__ import annotations
 
@@ -30,7 +32,9 @@ def metas(seed: int):
 
 @pytest.mark.parametrize("causal, window", [(True, None), (True, 5), (False, 6), (False, None)])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 2), (4, 1), (2, 2)])
-def test_blocked_equals_one_shot(monkeypatch, causal, window, heads, kv_heads):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "plain"])
+def test_blocked_equals_one_shot(monkeypatch, causal, window, heads, kv_heads, fused):
+    monkeypatch.setattr(torch_attention, "FUSED_CPU_BLOCKS", fused)
     meta = metas(heads * 10 + kv_heads)
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(27, heads, 16, generator=gen, dtype=torch.float64)
@@ -63,6 +67,6 @@ def test_a_long_prefill_through_blocks_gives_the_same_logits(tmp_path, monkeypat
     monkeypatch.setattr(torch_attention, "SCORES_LIMIT", 256 * 64 * 8)  # blocks of 128 keys (4 heads)
     calls = []
     blocked = torch_attention._blocked
-    monkeypatch.setattr(torch_attention, "_blocked", lambda *a: calls.append(a[-1]) or blocked(*a))
+    monkeypatch.setattr(torch_attention, "_blocked", lambda *a: calls.append(a[-2]) or blocked(*a))
     assert_close(prefill(), want, rel=1e-10)
     assert 128 in calls  # the last, shorter chunk takes larger blocks

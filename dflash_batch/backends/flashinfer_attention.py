@@ -56,6 +56,7 @@ class _Layout:
 
 class FlashInferAttention:
     name = "flashinfer"
+    rings = False  # sliding layers keep whole caches here (their window is masked, not cut)
 
     def __init__(self, device: torch.device | str, workspace_bytes: int = 256 << 20):
         import flashinfer

@@ -4,10 +4,16 @@ The engine builds one `AttnMeta` per forward and passes it to every layer; model
 both import this module, which imports neither. Query rows are grouped per sequence into a
 [bs, q_max] view; padding entries point at row T, a scratch row that attention writes and nobody
 reads. A row whose slot is -1 (a padding row of a static batch) is never written to a cache.
+
+Sliding-window layers may keep a ring instead of the whole context (`Ring`): each batch row owns
+a few pages that its sequence's positions reuse in turn, enough for the window and one forward's
+queries. `AttnMeta.ring_view` is a forward as such a layer sees it: the same queries, slots and
+page tables in the ring.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -20,6 +26,7 @@ class AttentionBackend(Protocol):
     read host-side lengths; `write` and `attend` run inside one."""
 
     name: str
+    rings: bool  # reads sliding-window layers' ring caches (AttnMeta.ring_view)
 
     def plan(self, meta: AttnMeta) -> None:
         """Prepare a forward whose metadata was built on the host (prefill chunks)."""
@@ -42,6 +49,20 @@ class AttentionBackend(Protocol):
         values are the rows' first v_width columns. -> [T, heads, v_width]."""
 
 
+@dataclass(frozen=True)
+class Ring:
+    """A sliding-window layer's cache: batch row r owns pages r*pages .. (r+1)*pages - 1, and its
+    sequence's position p lives on page r*pages + (p // page_size) % pages. A forward whose
+    queries see at most `pages * page_size` positions back from its last query (the window plus
+    a draft block) reads only live rows; older positions have been overwritten."""
+
+    pages: int
+
+    def slots(self, rows: int, page_size: int) -> int:
+        """Cache slots for `rows` batch rows, and a scratch page (padding rows write there)."""
+        return (rows * self.pages + 1) * page_size
+
+
 @dataclass
 class AttnMeta:
     positions: torch.Tensor     # [T] int64: absolute position of each row
@@ -57,15 +78,42 @@ class AttnMeta:
     stage: bool = False         # verify: stage recurrent states per row instead of updating them
     dense: bool = False         # every sequence has q_max rows, in order: q_index is arange
     rows_own_slots: bool = False  # sequence b owns slots b*S..(b+1)*S-1, S = max_pages*page_size
+    rows: torch.Tensor | None = None  # [bs] batch row of each sequence (whose ring pages it uses)
+    ring: Ring | None = None    # the geometry of ring caches, for layers that keep one
     name: str = "forward"       # which planned forward this is (backends plan per name)
     backend: AttentionBackend | None = None  # None: the torch reference
     derived: dict = field(default_factory=dict, repr=False)  # per-forward values layers share
 
-    def shared(self, key: Any, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def shared(self, key: Any, make: Callable[[], Any]) -> Any:
         """A value every layer of this forward needs (key slots, masks): computed once."""
         if key not in self.derived:
             self.derived[key] = make()
         return self.derived[key]
+
+    def ring_view(self) -> AttnMeta:
+        """This forward over ring caches: page tables and slots in the ring of each sequence's
+        row. A row that a later row of its sequence in this forward would overwrite is not
+        written (a prefill chunk longer than the ring keeps its last ring-full)."""
+        if self.ring is None or self.rows is None:
+            raise ValueError(f"forward {self.name!r} reads a ring cache but carries no ring geometry or rows")
+        return self.shared("ring_view", self._ring_view)
+
+    def _ring_view(self) -> AttnMeta:
+        pages, ps = self.ring.pages, self.page_size
+        bs, q_max = self.q_index.shape
+        device = self.positions.device
+        turn = torch.arange(self.block_tables.shape[1], device=device) % pages
+        tables = torch.where(self.block_tables >= 0, self.rows[:, None] * pages + turn, -1)
+        owner = torch.arange(bs, device=device).repeat_interleave(q_max)  # sequence of each query row
+        if not self.dense:
+            owner = torch.zeros(self.num_rows + 1, dtype=torch.int64, device=device).index_copy_(
+                0, self.q_index.reshape(-1), owner)[:self.num_rows]
+        pos = self.positions
+        live = pos > self.q_positions.amax(1)[owner] - pages * ps
+        ring_slots = tables[owner, pos // ps] * ps + pos % ps
+        return dataclasses.replace(self, slots=torch.where((self.slots >= 0) & live, ring_slots, -1),
+                                   block_tables=tables, rows_own_slots=False, ring=None, derived={},
+                                   name=f"{self.name}.ring")
 
     @property
     def attention(self) -> AttentionBackend:

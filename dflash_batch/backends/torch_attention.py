@@ -10,6 +10,7 @@ shape, and the same code runs under a CUDA graph.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -21,38 +22,71 @@ from dflash_batch.backends.meta import AttnMeta
 # over blocks of keys with an online softmax, so a 128k-token prefill holds a block's scores,
 # not the whole context's (and reads the cache block by block).
 SCORES_LIMIT = 1 << 24
+# A block of keys goes through ATen's fused CPU flash-attention kernel where it exists (a private
+# op of the pinned torch; it returns the log-sum-exp that merging blocks needs).
+FUSED_CPU_BLOCKS = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
 
 
-def key_slots(meta: AttnMeta, start: int = 0, stop: int | None = None) -> torch.Tensor:
-    """[bs, keys] cache slot of key positions start..stop-1 (default: all max_kv) of every
-    sequence (page -1 reads page 0: a padding row's keys are never used)."""
-    pos = torch.arange(start, meta.max_kv if stop is None else stop, device=meta.block_tables.device)
-    pages = meta.block_tables.clamp_min(0)[:, pos // meta.page_size]
+@dataclass(frozen=True)
+class Span:
+    """The key positions a forward reads: first[b] + 0..count-1 for sequence b (first None: 0)."""
+
+    first: torch.Tensor | None
+    count: int
+    window: int | None  # the window that chose `first` (None: the whole context)
+
+
+def key_span(meta: AttnMeta, window: int | None) -> Span:
+    """The key positions a sliding (or full) layer of this forward reads.
+    With a window shorter than the context, each sequence reads the window + q_max - 1 positions
+    that end at its last query (every key its queries may see: in every forward the engine runs,
+    keys lie at or before the last query), so a sliding layer's cost, and a ring cache, stay in
+    the window. Otherwise positions 0..max_kv for all."""
+    count = None if window is None else window + meta.q_index.shape[1] - 1
+    if count is None or count >= meta.max_kv:
+        return Span(None, meta.max_kv, None)
+    return Span(meta.shared(("first_key", window), lambda: meta.q_positions.amax(1) - (count - 1)), count, window)
+
+
+def key_positions(span: Span, start: int, stop: int, device: torch.device) -> torch.Tensor:
+    """[bs | 1, stop - start]: positions of keys start..stop-1 of the span."""
+    pos = torch.arange(start, stop, device=device)[None, :]
+    return pos if span.first is None else span.first[:, None] + pos
+
+
+def key_slots(meta: AttnMeta, span: Span, start: int, stop: int) -> torch.Tensor:
+    """[bs, stop - start] cache slot of keys start..stop-1 of the span of every sequence (page -1
+    and positions before 0 read page 0: such keys are masked, a padding row's never used)."""
+    pos = key_positions(span, start, stop, meta.block_tables.device).clamp_min(0)
+    pages = meta.block_tables.clamp_min(0).gather(1, (pos // meta.page_size).expand(meta.block_tables.shape[0], -1))
     return pages * meta.page_size + pos % meta.page_size
 
 
-def visible_mask(meta: AttnMeta, causal: bool, window: int | None, start: int = 0,
-                 stop: int | None = None) -> torch.Tensor:
-    """[bs, q_max, keys] bool: which key positions start..stop-1 (default: all) each query row
-    may attend to."""
-    stop = meta.max_kv if stop is None else stop
-    key_pos = torch.arange(start, stop, device=meta.kv_lens.device)[None, None, :]
+def visible_mask(meta: AttnMeta, causal: bool, window: int | None, span: Span | None = None,
+                 start: int = 0, stop: int | None = None) -> torch.Tensor:
+    """[bs, q_max, keys] bool: which keys start..stop-1 of the span (default: all of the whole
+    context) each query row may attend to."""
+    span = span or Span(None, meta.max_kv, None)
+    stop = span.count if stop is None else stop
+    key_pos = key_positions(span, start, stop, meta.kv_lens.device)[:, None, :]
     q_pos = meta.q_positions[:, :, None]
-    mask = key_pos < meta.kv_lens[:, None, None]
+    mask = (key_pos >= 0) & (key_pos < meta.kv_lens[:, None, None])
     if causal:
         mask = mask & (key_pos <= q_pos)
     if window is not None:
         mask = mask & (q_pos - key_pos < window)
         if not causal:
             mask = mask & (key_pos - q_pos < window)
-    # Padding queries see key 0 so their softmax stays finite; their output is discarded.
-    return mask | (key_pos == 0) & (q_pos < 0)
+    # Padding queries see the span's first key so their softmax stays finite; their output is
+    # discarded.
+    first_key = torch.arange(start, stop, device=mask.device) == 0
+    return mask | first_key & (q_pos < 0)
 
 
-def _folded_mask(meta: AttnMeta, causal: bool, window: int | None, group: int,
-                 dtype: torch.dtype) -> torch.Tensor:
-    """The additive mask [bs, 1, group * q_max, max_kv] of query rows folded as (group, query)."""
-    mask = visible_mask(meta, causal, window)
+def _folded_mask(meta: AttnMeta, causal: bool, window: int | None, group: int, dtype: torch.dtype,
+                 span: Span) -> torch.Tensor:
+    """The additive mask [bs, 1, group * q_max, span.count] of query rows folded as (group, query)."""
+    mask = visible_mask(meta, causal, window, span)
     bs, q_max, keys = mask.shape
     mask = mask[:, None].expand(bs, group, q_max, keys).reshape(bs, 1, group * q_max, keys)
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
@@ -60,6 +94,7 @@ def _folded_mask(meta: AttnMeta, causal: bool, window: int | None, group: int,
 
 class TorchAttention:
     name = "torch"
+    rings = True
 
     def plan(self, meta: AttnMeta) -> None:
         """Nothing to prepare: masks and key slots are computed on first use in each forward."""
@@ -74,35 +109,36 @@ class TorchAttention:
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
                scale: float, causal: bool = True, window: int | None = None) -> torch.Tensor:
-        def keys(start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-            return (self._gather(k_cache, meta, start, stop).to(q.dtype),
-                    self._gather(v_cache, meta, start, stop).to(q.dtype))
+        def keys(span: Span, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return (self._gather(k_cache, meta, span, start, stop).to(q.dtype),
+                    self._gather(v_cache, meta, span, start, stop).to(q.dtype))
         return self._attend(q, keys, k_cache.shape[1], v_cache.shape[-1], meta, scale, causal, window)
 
     def attend_latent(self, q: torch.Tensor, cache: torch.Tensor, v_width: int, meta: AttnMeta,
                       scale: float, causal: bool = True, window: int | None = None) -> torch.Tensor:
-        def keys(start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-            k = self._gather(cache, meta, start, stop).to(q.dtype)
+        def keys(span: Span, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+            k = self._gather(cache, meta, span, start, stop).to(q.dtype)
             return k, k[..., :v_width]
         return self._attend(q, keys, cache.shape[1], v_width, meta, scale, causal, window)
 
     @staticmethod
-    def _gather(cache: torch.Tensor, meta: AttnMeta, start: int, stop: int) -> torch.Tensor:
-        """[bs, stop - start, kv_heads, d]: the cache rows of key positions start..stop-1 (a view
-        when each sequence owns its run of slots, else a copy)."""
+    def _gather(cache: torch.Tensor, meta: AttnMeta, span: Span, start: int, stop: int) -> torch.Tensor:
+        """[bs, stop - start, kv_heads, d]: the cache rows of keys start..stop-1 of the span (a
+        view when each sequence owns its run of slots and the span starts at 0, else a copy)."""
         bs, stride = meta.block_tables.shape[0], meta.block_tables.shape[1] * meta.page_size
-        if meta.rows_own_slots and bs * stride <= cache.shape[0]:
+        if span.first is None and meta.rows_own_slots and bs * stride <= cache.shape[0]:
             return cache[:bs * stride].view(bs, stride, *cache.shape[1:])[:, start:stop]
-        if (start, stop) == (0, meta.max_kv):
-            slots = meta.shared("key_slots", lambda: key_slots(meta).reshape(-1))
+        if (start, stop) == (0, span.count):  # every layer of the forward with this span reads them
+            slots = meta.shared(("key_slots", span.window), lambda: key_slots(meta, span, 0, stop).reshape(-1))
         else:
-            slots = key_slots(meta, start, stop).reshape(-1)
+            slots = key_slots(meta, span, start, stop).reshape(-1)
         return cache.index_select(0, slots).view(bs, stop - start, *cache.shape[1:])
 
     @staticmethod
-    def _attend(q: torch.Tensor, keys: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]], kv_heads: int,
+    def _attend(q: torch.Tensor, keys: Callable[..., tuple[torch.Tensor, torch.Tensor]], kv_heads: int,
                 dv: int, meta: AttnMeta, scale: float, causal: bool, window: int | None) -> torch.Tensor:
-        """`keys(start, stop)`: K and V [bs, stop - start, kv_heads, d | dv] of those key positions."""
+        """`keys(span, start, stop)`: K and V [bs, stop - start, kv_heads, d | dv] of keys
+        start..stop-1 of the span (key_span)."""
         T, heads, d = q.shape
         bs, q_max = meta.q_index.shape
         q = q.view(bs, q_max, heads, d) if meta.dense else torch.cat([q, q.new_zeros(1, heads, d)])[meta.q_index]
@@ -110,14 +146,15 @@ class TorchAttention:
         # Each K/V head serves `group` query heads: fold them into its query rows, so one SDPA
         # head per K/V head reads each key once.
         q = q.view(bs, q_max, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(bs, kv_heads, group * q_max, d)
+        span = key_span(meta, window)
         block = max(meta.page_size, SCORES_LIMIT // (bs * heads * q_max))
-        if block >= meta.max_kv:
-            k, v = keys(0, meta.max_kv)
+        if block >= span.count:
+            k, v = keys(span, 0, span.count)
             mask = meta.shared(("mask", causal, window, group, q.dtype),
-                               lambda: _folded_mask(meta, causal, window, group, q.dtype))
+                               lambda: _folded_mask(meta, causal, window, group, q.dtype, span))
             out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
         else:
-            out = _blocked(q, keys, meta, scale, causal, window, group, block)
+            out = _blocked(q, keys, meta, scale, causal, window, group, block, span)
         out = out.view(bs, kv_heads, group, q_max, dv).permute(0, 3, 1, 2, 4).reshape(bs * q_max, heads, dv)
         if meta.dense:
             return out
@@ -126,29 +163,54 @@ class TorchAttention:
         return result[:T]
 
 
-def _blocked(q: torch.Tensor, keys: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]], meta: AttnMeta,
-             scale: float, causal: bool, window: int | None, group: int, block: int) -> torch.Tensor:
+def _blocked(q: torch.Tensor, keys: Callable[..., tuple[torch.Tensor, torch.Tensor]], meta: AttnMeta,
+             scale: float, causal: bool, window: int | None, group: int, block: int, span: Span) -> torch.Tensor:
     """Attention of folded queries q [bs, kv_heads, group * q_max, d] over the keys `block` at a
-    time, merged by an online softmax (running max, denominator and weighted sum, in at least
+    time: each block's softmax-weighted values and log-sum-exp, merged as they come (in at least
     float32): memory in the block, not in the context."""
     wide = torch.promote_types(q.dtype, torch.float32)
     bs, kv_heads, rows, _ = q.shape
-    best = q.new_full((bs, kv_heads, rows, 1), float("-inf"), dtype=wide)
-    total = torch.zeros_like(best)
+    total = q.new_full((bs, kv_heads, rows, 1), float("-inf"), dtype=wide)  # log-sum-exp so far
     acc = None
-    for start in range(0, meta.max_kv, block):
-        stop = min(start + block, meta.max_kv)
-        k, v = keys(start, stop)
-        visible = visible_mask(meta, causal, window, start, stop)  # [bs, q_max, keys]
-        visible = visible[:, None, None].expand(bs, 1, group, -1, -1).reshape(bs, 1, rows, stop - start)
-        scores = (q.to(wide) @ k.transpose(1, 2).transpose(-1, -2).to(wide)) * scale
-        scores = scores.masked_fill(~visible, float("-inf"))
-        new_best = torch.maximum(best, scores.amax(-1, keepdim=True))
-        anchor = new_best.masked_fill(new_best == float("-inf"), 0.0)  # a row that saw no key yet
-        fade, p = (best - anchor).exp(), (scores - anchor).exp()
-        part = p @ v.transpose(1, 2).to(wide)
-        acc = part if acc is None else acc * fade + part
-        total = total * fade + p.sum(-1, keepdim=True)
-        best = new_best
-    return (acc / total).to(q.dtype)
+    for start in range(0, span.count, block):
+        stop = min(start + block, span.count)
+        k, v = keys(span, start, stop)
+        visible = visible_mask(meta, causal, window, span, start, stop)  # [bs, q_max, keys]
+        part, lse = _block_attention(q, k.transpose(1, 2), v.transpose(1, 2), visible, group, scale)
+        merged = torch.logaddexp(total, lse)
+        anchor = merged.masked_fill(merged == float("-inf"), 0.0)  # a row that saw no key yet
+        part = part.to(wide) * (lse - anchor).exp()
+        acc = part if acc is None else acc * (total - anchor).exp() + part
+        total = merged
+    return acc.to(q.dtype)
+
+
+def _block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, group: int,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of folded queries q [bs, h, group * q_max, d] over k, v [bs, h, keys,
+    d | dv] where `visible` [bs, q_max, keys]: (out, log-sum-exp [bs, h, rows, 1]); a row that
+    sees no key gets log-sum-exp -inf (and out 0). The heads are unfolded (each K/V head
+    repeated for its group: a block's keys are few) so one [q_max, keys] mask serves them all.
+    On the CPU through ATen's fused flash kernel (~10x the unfused ops here), which wants one
+    head width: V is zero-padded."""
+    bs, kv_heads, rows, d = q.shape
+    heads, q_max, dv = kv_heads * group, rows // group, v.shape[-1]
+    q = q.view(bs, heads, q_max, d)
+    k, v = (t[:, :, None].expand(-1, -1, group, -1, -1).reshape(bs, heads, t.shape[2], t.shape[3]) for t in (k, v))
+    mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))[:, None]
+    sees = visible.any(-1, keepdim=True)[:, None]
+    if FUSED_CPU_BLOCKS and q.device.type == "cpu":
+        v = F.pad(v, (0, d - dv)) if dv < d else v
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
+                                                                             scale=scale)
+        out, lse = out[..., :dv], lse[..., None]
+    else:
+        wide = torch.promote_types(q.dtype, torch.float32)
+        scores = (q.to(wide) @ k.transpose(-1, -2).to(wide)) * scale + mask.to(wide)
+        lse = torch.logsumexp(scores, -1, keepdim=True)
+        out = (scores - lse).exp() @ v.to(wide)
+    return (out.masked_fill(~sees, 0.0).reshape(bs, kv_heads, rows, dv),
+            lse.masked_fill(~sees, float("-inf")).reshape(bs, kv_heads, rows, 1))
+
+
 TORCH = TorchAttention()

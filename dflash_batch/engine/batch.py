@@ -12,22 +12,25 @@ from __future__ import annotations
 
 import torch
 
+from dflash_batch.backends.meta import Ring
 from dflash_batch.engine.sequence import Sequence
 from dflash_batch.limits import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 
 class DecodeBatch:
     def __init__(self, rows: int, block: int, max_pages: int, page_size: int, sequences: int,
-                 device: torch.device | str, vocab_size: int, like: DecodeBatch | None = None):
+                 device: torch.device | str, vocab_size: int, like: DecodeBatch | None = None,
+                 ring: Ring | None = None):
         """`rows` (>= `sequences`, padded up to a capture size); the first `sequences` state slots
         and `sequences * max_pages` pages belong to the rows that can run one; the next slot and
         page are scratch for padding rows (the engine allocates them). `like`: the previous
         bucket's batch; what its requests made it grow (stop ids, bias, counts, logprobs) is
-        allocated now, so this batch's graphs cover it."""
+        allocated now, so this batch's graphs cover it. `ring`: the geometry of the drafter's ring
+        caches, if it keeps any."""
         def full(shape, value, dtype=torch.int64):
             return torch.full(shape, value, dtype=dtype, device=device)
 
-        self.rows, self.block, self.page_size, self.device = rows, block, page_size, device
+        self.rows, self.block, self.page_size, self.device, self.ring = rows, block, page_size, device, ring
         self.scratch_state, self.scratch_page = sequences, sequences * max_pages
         self.num_slots = (self.scratch_page + 1) * page_size  # cache slots: the rows' pages and scratch
         # What backends that plan on the host read: each row's pages.
@@ -66,6 +69,7 @@ class DecodeBatch:
         self.state_slot = full((rows,), sequences)  # recurrent-state slot (hybrid targets)
         self.out = full((rows, block + 2), 0)          # a round's result: emitted | kept | finished
         self.q_index = torch.arange(rows * block, device=device).view(rows, block)
+        self.row_ids = torch.arange(rows, device=device)  # a round's sequence b runs in row b
         self.no_rows = full((0,), 0)
         self.vocab_size = vocab_size
         # Set when the stop ids had to grow or the bias, counts or logprobs appeared: graphs

@@ -7,6 +7,7 @@ a fixed run of pages, enough for the bucket's longest sequence (prompt + max_new
 block), and the sequence decoding in that row uses them: every sequence fits, none waits for
 pages. Sequences still carry page tables, so attention backends take any layout; the torch
 backend reads keys in place when a forward's rows are batch rows 0..n-1 (AttnMeta.rows_own_slots).
+The drafter's sliding layers may instead keep a ring per batch row (backends/meta.py's Ring).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_batch.backends.meta import AttentionBackend, AttnMeta
+from dflash_batch.backends.meta import AttentionBackend, AttnMeta, Ring
 
 
 def row_pages(row: int, pages_per_row: int) -> list[int]:
@@ -40,8 +41,10 @@ class SeqRows:
 
 def build_meta(rows: list[SeqRows], page_size: int, logits_rows: list[int] | None = None,
                device: torch.device | str = "cpu", state_ids: list[int] | None = None,
-               stage: bool = False, backend: AttentionBackend | None = None, name: str = "forward") -> AttnMeta:
-    """The AttnMeta of a forward whose rows are `rows`, packed in order."""
+               stage: bool = False, backend: AttentionBackend | None = None, name: str = "forward",
+               batch_rows: list[int] | None = None, ring: Ring | None = None) -> AttnMeta:
+    """The AttnMeta of a forward whose rows are `rows`, packed in order; `batch_rows`: the batch
+    row of each sequence (whose ring pages it uses, with `ring`)."""
     q_max = max(r.count for r in rows)
     max_pages = max(len(r.pages) for r in rows)
     positions, slot_ids, q_index, q_pos, tables = [], [], [], [], []
@@ -65,4 +68,5 @@ def build_meta(rows: list[SeqRows], page_size: int, logits_rows: list[int] | Non
                     max_kv=max(kv_lens),
                     logits_rows=t(list(range(total)) if logits_rows is None else logits_rows),
                     state_ids=None if state_ids is None else t(state_ids), stage=stage,
+                    rows=None if batch_rows is None else t(batch_rows), ring=ring,
                     dense=all(r.count == q_max for r in rows), backend=backend, name=name)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 
 import kernels
-from dflash_batch.backends.meta import AttentionBackend
+from dflash_batch.backends.meta import AttentionBackend, Ring
 from dflash_batch.backends.torch_attention import TORCH
 from dflash_batch.engine.batch import DecodeBatch
 from dflash_batch.engine.cache import SeqRows, build_meta, row_pages, slots
@@ -31,6 +31,7 @@ from dflash_batch.engine.sampling import (add_bias_, choose_tokens, hold_stops_,
                                           penalize_)
 from dflash_batch.engine.sequence import Sequence
 from dflash_batch.engine.sharing import PromptIndex
+from dflash_batch.engine.switch import AutoSpeculation
 from dflash_batch.plan.buckets import Bucket
 from kernels.accept import STOP
 from kernels.sample import top1
@@ -125,7 +126,9 @@ class Engine:
                  max_num_batched_tokens: int = 8192, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", attention: AttentionBackend = TORCH,
                  capture_sizes: list[int] | None = None, cuda_graphs: bool = False, compile: bool = False,
-                 share_prompts: bool = True, log: Callable[[str], None] | None = None):
+                 share_prompts: bool = True, log: Callable[[str], None] | None = None,
+                 auto_speculation: tuple[float, int] = (1.5, 1024)):
+        """`auto_speculation`: (min_acc_len, rounds) of buckets with speculation "auto" (switch.py)."""
         self.target, self.drafter = target, drafter
         self.vocab_size: int = target.vocab_size
         # Hybrid targets (KDA) keep per-sequence recurrent state that verify stages and commit picks.
@@ -143,6 +146,12 @@ class Engine:
         self.log = log or (lambda line: None)
         self.rounds: dict[int, Round] = {}  # by block size: compiled code is kept across buckets
         self.bucket_state: tuple | None = None  # (shape, caches, batch, round, graphs) of the last bucket
+        # The drafter's sliding layers' ring geometry in this bucket, and those caches (None, []:
+        # whole caches).
+        self.ring: Ring | None = None
+        self.ring_caches: list[torch.Tensor] = []
+        self.auto_speculation = auto_speculation
+        self.auto: dict[str, AutoSpeculation] = {}  # by bucket name: how each auto bucket fares
 
     # -- public --------------------------------------------------------------------------------
     def generate(self, requests: Iterable[Request], bucket: Bucket) -> Iterator[Completion]:
@@ -162,6 +171,9 @@ class Engine:
         _, _, batch, step, graphs = self.bucket_state
         # The caches indexed by slot (K/V, latents): what a sequence sharing a prompt copies.
         caches = [t for t in runtime_tensors(models) if t.shape[0] == batch.num_slots]
+        self.ring = batch.ring
+        self.ring_caches = [] if self.ring is None else [
+            t for t in runtime_tensors([self.drafter]) if t.shape[0] == self.ring.slots(seqs, self.page_size)]
         batch.clear_all()  # a previous generate that was closed early may have left rows
         q = _Queue(requests, seqs, self.budget)
         # inference_mode dispatches small ops faster; torch.compile wants plain no_grad tensors.
@@ -193,8 +205,12 @@ class Engine:
                             q.decode(seq, batch)
                         finished = [s for s in finished if s.finish_reason]
                     else:
-                        self._round(batch, q.running, step, graphs, block)
+                        accepted = self._round(batch, q.running, step, graphs, block)
                         finished = [s for s in involved if s.finish_reason]
+                        if block > 1 and bucket.speculation == "auto" and self._auto(bucket).record(accepted):
+                            batch, step, graphs = self._stop_speculating(bucket, q, batch, pages_per_row)
+                            block = 1
+                            caches = [t for t in runtime_tensors([self.target]) if t.shape[0] == batch.num_slots]
                 except Exception as error:  # noqa: BLE001 - any failure: decide what it costs
                     involved += [f for s in involved for f in s.followers]  # they wait on it
                     finished = self._recover(error, involved, q, batch, bucket)
@@ -237,7 +253,15 @@ class Engine:
         seqs = bucket.max_num_seqs
         # One page past the rows' pages is scratch: padding rows write there and nothing reads it.
         num_slots = (seqs * pages_per_row + 1) * self.page_size
-        cache_bytes = sum(model.allocate_cache(num_slots, self.dtype, self.device) for model in models)
+        cache_bytes = self.target.allocate_cache(num_slots, self.dtype, self.device)
+        ring = None
+        if block > 1:
+            # The drafter's sliding layers keep a ring of their window where the backend reads
+            # one and the window is shorter than the bucket's rows.
+            ring_pages = self.drafter.ring_pages(block, self.page_size) if self.attention.rings else None
+            ring = Ring(ring_pages) if ring_pages is not None and ring_pages < pages_per_row else None
+            cache_bytes += self.drafter.allocate_cache(num_slots, self.dtype, self.device,
+                                                       ring.slots(seqs, self.page_size) if ring else None)
         if self.compile:
             for cache in runtime_tensors(models):
                 # Cache lengths change with the bucket: symbolic, or each bucket compiles again.
@@ -247,9 +271,11 @@ class Engine:
             self.target.allocate_state(seqs + 1, rows, block, self.device)
         # What the last bucket's requests made its batch grow is allocated at once: no second regrowth.
         previous = self.bucket_state[2] if self.bucket_state is not None else None
-        batch = DecodeBatch(rows, block, pages_per_row, self.page_size, seqs, self.device, self.vocab_size, previous)
+        batch = DecodeBatch(rows, block, pages_per_row, self.page_size, seqs, self.device, self.vocab_size, previous,
+                            ring)
+        rings = f" (the drafter's sliding layers: rings of {ring.pages * self.page_size} slots)" if ring else ""
         self.log(f"bucket {bucket.name}: {seqs} rows of {pages_per_row * self.page_size} slots, block {block}, "
-                 f"KV caches {cache_bytes / 2**20:.1f} MiB")
+                 f"KV caches {cache_bytes / 2**20:.1f} MiB{rings}")
         if block not in self.rounds:
             self.rounds[block] = Round(self.target, self.drafter, block, self.page_size, self.ops, self.attention,
                                        self.compile)
@@ -260,9 +286,41 @@ class Engine:
         return batch, step, graphs
 
     def _block_size(self, bucket: Bucket) -> int:
-        if self.drafter is None or not bucket.speculation:
+        if self.drafter is None or not bucket.speculation or bucket.speculation == "auto" and self._auto(bucket).off:
             return 1
         return bucket.block_size or self.drafter.block_size
+
+    def _auto(self, bucket: Bucket) -> AutoSpeculation:
+        if bucket.name not in self.auto:
+            self.auto[bucket.name] = AutoSpeculation(*self.auto_speculation)
+        return self.auto[bucket.name]
+
+    def _stop_speculating(self, bucket: Bucket, q: _Queue, batch: DecodeBatch,
+                          pages_per_row: int) -> tuple[DecodeBatch, Round, RoundGraphs | None]:
+        """An auto bucket's acceptance fell below its threshold: the sequences decoding go on
+        target-only in the same rows (their pages and recurrent state, which B = 1 rounds read
+        as they are), with the speculative rounds they ran counted; those prefilling or not yet
+        started run without the drafter. Returns the decoding state of B = 1 rounds."""
+        auto = self._auto(bucket)
+        self.log(f"bucket {bucket.name}: speculation off (auto): acc_len {auto.acc_len:.2f} over the last "
+                 f"{len(auto.recent)} sequence-rounds < {auto.min_acc_len}; target-only from here")
+        one = DecodeBatch(batch.rows, 1, pages_per_row, self.page_size, bucket.max_num_seqs, self.device,
+                          self.vocab_size, batch)
+        for seq in q.prefilling + [f for s in q.prefilling for f in s.followers]:
+            seq.spec = None
+        for seq in q.running:
+            if seq is not None:
+                if not seq.spec.rounds:
+                    seq.spec = None
+                one.put(seq.row, seq)
+        if 1 not in self.rounds:
+            self.rounds[1] = Round(self.target, None, 1, self.page_size, self.ops, self.attention, self.compile)
+        graphs = RoundGraphs(self.rounds[1], one, self.capture_sizes, pages_per_row * self.page_size) \
+            if self.cuda_graphs else None
+        shape = (bucket.max_num_seqs, pages_per_row, 1)
+        self.bucket_state = (shape, runtime_tensors([self.target]), one, self.rounds[1], graphs)
+        self.ring, self.ring_caches = None, []
+        return one, self.rounds[1], graphs
 
     def _padded(self, n: int) -> int:
         """The batch size a round of n sequences runs at: the next capture size, if any fits
@@ -301,7 +359,7 @@ class Engine:
             logit_rows += wanted
             row += r.count
         meta = build_meta(rows, self.page_size, logit_rows, self.device, [s.row for s in seqs],
-                          backend=self.attention, name="prefill")
+                          backend=self.attention, name="prefill", batch_rows=[s.row for s in seqs], ring=self.ring)
         self.attention.plan(meta)
         logits, taps = self.target(torch.tensor(ids, dtype=torch.int64, device=self.device), meta)
         if block > 1:
@@ -351,7 +409,12 @@ class Engine:
             found = None if seq.prefilled else q.prompts.source(seq)
             if found is not None:
                 source, count = found
-                self._copy_prompt(source, [seq], count, caches)
+                if self.ring is not None:
+                    # A ring holds the source's latest positions, not the head's end: the new
+                    # sequence prefills the window before its prompt's end itself.
+                    count = min(count, len(seq.prompt) - self.drafter.window + 1)
+                if count > 0:
+                    self._copy_prompt(source, [seq], count, caches)
         ready = [s for s in q.prefilling if not q.prompts.waits(s)]
         return ready or q.prefilling
 
@@ -359,9 +422,12 @@ class Engine:
         """The followers of a prefilled prompt start where it ends, with its recurrent state."""
         followers, leader.followers = leader.followers, []
         self._copy_prompt(leader, followers, len(leader.prompt), caches)
+        span = self.ring.pages * self.page_size if self.ring else 0
         for seq in followers:
             if self.recurrent:
                 self.target.copy_state(leader.row, seq.row)
+            for ring in self.ring_caches:  # the leader's ring holds its prompt's last positions
+                ring[seq.row * span:(seq.row + 1) * span] = ring[leader.row * span:(leader.row + 1) * span]
         return followers
 
     def _copy_prompt(self, source: Sequence, seqs: list[Sequence], n: int, caches: list[torch.Tensor]) -> None:
@@ -433,9 +499,10 @@ class Engine:
                              col([p.min_p for p in params], torch.float32))
 
     def _round(self, batch: DecodeBatch, running: list[Sequence | None], step: Round,
-               graphs: RoundGraphs | None, block: int) -> None:
+               graphs: RoundGraphs | None, block: int) -> list[int]:
         """One round for rows 0..n-1, n past the last running sequence (rows without one are
-        padding); extends each sequence with what it emitted."""
+        padding); extends each sequence with what it emitted. Returns the drafts each
+        speculating sequence kept."""
         n = max(i for i, s in enumerate(running) if s is not None) + 1
         size = self._padded(n)
         greedy = all(s.plain_greedy for s in running[:n] if s is not None)
@@ -460,6 +527,7 @@ class Engine:
         if scored:
             logprobs = zip(batch.token_logprob[:n].tolist(), batch.top_logprob_ids[:n].tolist(),
                            batch.top_logprobs[:n].tolist())
+        accepted = []
         for seq, row in zip(running[:n], batch.out[:n].tolist()):
             lps = next(logprobs) if scored else None
             if seq is None:
@@ -481,9 +549,11 @@ class Engine:
                 seq.finish_reason = "stop" if row[block + 1] == STOP else "length"
                 seq.stop_reason = str(seq.tokens[-1]) if row[block + 1] == STOP else None
             seq.check_stop_strings(self.decode, before + 1)
-            if seq.spec is not None:
+            if seq.spec is not None and block > 1:
                 # Counted after a stop string's cut too: the round keeps only tokens up to it.
                 seq.spec.per_round.append(len(seq.tokens) - before - 1)
+                accepted.append(seq.spec.per_round[-1])
+        return accepted
 
     @staticmethod
     def _grammar_masks(batch: DecodeBatch, running: list[Sequence | None], block: int) -> None:

@@ -72,7 +72,7 @@ class Round:
             return AttnMeta(positions=positions, slots=slots, q_index=b.q_index[:n],
                             q_positions=positions.view(n, B), kv_lens=kv_lens, block_tables=b.tables[:n],
                             page_size=self.page_size, max_kv=max_kv, dense=True, rows_own_slots=True, name=name,
-                            backend=self.attention, **extra)
+                            backend=self.attention, rows=b.row_ids[:n], ring=b.ring, **extra)
 
         if self.drafter is not None:
             hidden = self.drafter(draft_ids, meta("draft", draft_kv, logits_rows=b.no_rows), block_size=B)

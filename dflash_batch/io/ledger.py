@@ -237,7 +237,10 @@ def _bucket_totals(t: pa.Table) -> dict[str, dict]:
             "completion_tokens": _per_bucket(code, n, t["completion_tokens"]),
             "spec_rounds": _per_bucket(code, n, t["spec_rounds"]),
             "spec_accepted": _per_bucket(code, n, t["spec_accepted"]),
-            "spec_drafted": _per_bucket(code, n, drafted)}
+            "spec_drafted": _per_bucket(code, n, drafted),
+            # ok rows decoded with the drafter (an auto bucket that turned it off has fewer)
+            "speculated": _per_bucket(code, n, pc.and_(pc.equal(t["status"], "ok"),
+                                                        pc.is_valid(t["spec_block_size"])).cast(pa.int64()))}
     matrix = list_sums(t["spec_histogram"], code, n)
     return {name: {**{k: v[i] for k, v in sums.items()}, "spec_histogram": matrix[i].tolist()}
             for i, name in enumerate(names)}
@@ -265,7 +268,14 @@ def _with_ratios(totals: dict[str, dict]) -> dict[str, dict]:
         b["error"] = b["rows"] - b["ok"]
         b["acc_len"] = 1 + b["spec_accepted"] / b["spec_rounds"] if b["spec_rounds"] else None
         b["proposal_acceptance"] = b["spec_accepted"] / b["spec_drafted"] if b["spec_drafted"] else None
+        b["speculation"] = speculation(b["speculated"], b["ok"])
     return totals
+
+
+def speculation(speculated: int, ok: int) -> str:
+    """How a bucket's ok rows were decoded: on (all with the drafter), off (none), or
+    "on for k/n" (an auto bucket that turned speculation off part way)."""
+    return "off" if not speculated else "on" if speculated == ok else f"on for {speculated}/{ok}"
 
 
 def write_shard_stats(out_dir: Path, index: int, complete: bool, inputs: list | None = None,

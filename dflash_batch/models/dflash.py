@@ -8,6 +8,10 @@ context and to the whole block, and one greedy proposal from the block's last B-
 DFlash2 adds a grouped dynamic convolution around each sub-layer and a candidate selector that
 re-ranks the head's top-k per position with a low-rank predecessor/successor bigram term, and
 `attention_mode: "mla"` (the Kimi-K3 drafter): MLA attention over a per-slot latent cache.
+
+A sliding layer reads only its window; given ring slots at allocation, it keeps only that much
+too (backends/meta.py's Ring: each batch row's window and a block, reused in turn), so a long
+context costs the drafter its full layers' caches and a constant for the sliding ones.
 """
 
 from __future__ import annotations
@@ -42,6 +46,22 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
     return [round(first + i * step) for i in range(num_draft_layers)]
 
 
+class CacheLayer(nn.Module):
+    """An attention whose cache is indexed by the engine's slots, or (sliding layers given ring
+    slots) by its ring."""
+
+    window: int | None
+    ring = False
+
+    def ring_slots(self, num_slots: int, ring_slots: int | None) -> int:
+        """How many slots this layer's cache holds (and remember whether it is a ring)."""
+        self.ring = ring_slots is not None and self.window is not None
+        return ring_slots if self.ring else num_slots
+
+    def cache_meta(self, meta: AttnMeta) -> AttnMeta:
+        return meta.ring_view() if self.ring else meta
+
+
 def block_mask(config: dict, layer_idx: int) -> tuple[int | None, bool]:
     """(sliding window or None, causal) of a draft layer's attention."""
     layer_types = config.get("layer_types") or ["full_attention"] * config["num_hidden_layers"]
@@ -51,7 +71,7 @@ def block_mask(config: dict, layer_idx: int) -> tuple[int | None, bool]:
     return (config.get("sliding_window") if sliding else None), bool(config.get("is_causal") or False)
 
 
-class DFlashAttention(nn.Module):
+class DFlashAttention(CacheLayer):
     """Qwen3-style GQA: per-head q/k RMSNorm, rotate-half RoPE, K and V caches. k|v are one
     matmul (context rows need only them), q another."""
 
@@ -76,14 +96,18 @@ class DFlashAttention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def allocate(self, num_slots: int, dtype: torch.dtype, device: torch.device | str) -> int:
-        shape = (num_slots, self.num_kv_heads, self.head_dim)
+    def allocate(self, num_slots: int, dtype: torch.dtype, device: torch.device | str,
+                 ring_slots: int | None = None) -> int:
+        shape = (self.ring_slots(num_slots, ring_slots), self.num_kv_heads, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         return 2 * self.k_cache.nbytes
 
     def write_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta) -> None:
         """Context rows and block rows get their K/V the same way: k_norm, then RoPE at their position."""
+        self._write(x, cos, sin, self.cache_meta(meta))
+
+    def _write(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta) -> None:
         T = x.shape[0]
         k, v = self.kv_proj(x).view(T, 2 * self.num_kv_heads, self.head_dim).chunk(2, dim=1)
         meta.attention.write(self.k_cache, meta, apply_rope(self.k_norm(k), cos, sin))
@@ -91,13 +115,14 @@ class DFlashAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
         T = x.shape[0]
-        self.write_kv(x, cos, sin, meta)
+        meta = self.cache_meta(meta)
+        self._write(x, cos, sin, meta)
         q = apply_rope(self.q_norm(self.q_proj(x).view(T, self.num_heads, self.head_dim)), cos, sin)
         o = meta.attention.attend(q, self.k_cache, self.v_cache, meta, self.scale, self.causal, self.window)
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
 
 
-class DFlashMLAAttention(nn.Module):
+class DFlashMLAAttention(CacheLayer):
     """DeepSeek-V3-style MLA with interleaved RoPE on a dr-wide slice and no output gate,
     attended in the absorbed form.
 
@@ -127,19 +152,25 @@ class DFlashMLAAttention(nn.Module):
         self.window, self.causal = block_mask(config, layer_idx)
         self.cache: torch.Tensor | None = None  # [slots, 1, kl + dr], filled by allocate()
 
-    def allocate(self, num_slots: int, dtype: torch.dtype, device: torch.device | str) -> int:
-        self.cache = torch.zeros(num_slots, 1, self.kl + self.dr, dtype=dtype, device=device)
+    def allocate(self, num_slots: int, dtype: torch.dtype, device: torch.device | str,
+                 ring_slots: int | None = None) -> int:
+        self.cache = torch.zeros(self.ring_slots(num_slots, ring_slots), 1, self.kl + self.dr, dtype=dtype,
+                                 device=device)
         return self.cache.nbytes
 
     def write_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta) -> None:
         """Context rows and block rows get their latent row the same way."""
+        self._write(x, cos, sin, self.cache_meta(meta))
+
+    def _write(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta) -> None:
         c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kl, self.dr], dim=-1)
         k_pe = apply_rope_interleaved(k_pe[:, None], cos, sin)
         meta.attention.write(self.cache, meta, torch.cat([self.kv_a_layernorm(c)[:, None], k_pe], dim=-1))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
         T = x.shape[0]
-        self.write_kv(x, cos, sin, meta)
+        meta = self.cache_meta(meta)
+        self._write(x, cos, sin, meta)
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(T, self.num_heads, self.dn + self.dr)
         q_nope, q_pe = q.split([self.dn, self.dr], dim=-1)
         # kv_b_proj holds, per head, dn rows that expand the latent to K_nope and dv rows to V.
@@ -270,9 +301,22 @@ class DFlashDrafter(nn.Module):
     def bind_target(self, embed_tokens: nn.Module, lm_head: nn.Module) -> None:
         self._target_io = (embed_tokens, lm_head)
 
-    def allocate_cache(self, num_slots: int, dtype: torch.dtype, device: torch.device | str) -> int:
-        """Every layer's cache of `num_slots` slots (context and block rows); returns their bytes."""
-        return sum(layer.self_attn.allocate(num_slots, dtype, device) for layer in self.layers)
+    def allocate_cache(self, num_slots: int, dtype: torch.dtype, device: torch.device | str,
+                       ring_slots: int | None = None) -> int:
+        """Every layer's cache of `num_slots` slots (context and block rows), the sliding layers'
+        of `ring_slots` (rings) when given; returns their bytes."""
+        return sum(layer.self_attn.allocate(num_slots, dtype, device, ring_slots) for layer in self.layers)
+
+    def ring_pages(self, block: int, page_size: int) -> int | None:
+        """Pages per batch row a sliding layer's ring needs: its window and a block of `block`
+        rows (a draft's first query sees `window - 1` positions back, its last block row is
+        written at once). None: no sliding layers."""
+        return None if self.window is None else -(-(self.window + block - 1) // page_size)
+
+    @property
+    def window(self) -> int | None:
+        """The longest sliding window of its layers (None: none slides)."""
+        return max((w for w in (layer.self_attn.window for layer in self.layers) if w is not None), default=None)
 
     def write_context(self, taps: torch.Tensor, meta: AttnMeta) -> None:
         """taps [T, n_taps*hidden] of rows the target ran -> context K/V (or MLA latent rows) at

@@ -14,7 +14,7 @@ class Bucket:
     name: str              # "0-2048", "2048-8192", ... (lower edge exclusive)
     max_tokens: int        # prompt + max_new_tokens fits in this
     max_num_seqs: int
-    speculation: bool
+    speculation: bool | str  # True, False or "auto" (engine/switch.py)
     block_size: int | None  # None: the drafter's own
 
 

@@ -1,0 +1,108 @@
+"""speculation: auto: a bucket whose acceptance over its last `rounds` sequence-rounds falls below
+min_acc_len stops speculating part way (the running sequences go on target-only in place, the
+rest never draft) and says so; greedy outputs stay target-only greedy's, both families, in
+float64; the run's stats and report say which buckets ran with the drafter; the job file
+refuses auto where it cannot act."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+
+from dflash_batch.engine.engine import Engine
+from dflash_batch.job import JobError, parse_job
+from dflash_batch.plan.buckets import Bucket
+from dflash_batch.report import build_report, to_markdown
+from tests import kimi_pair
+from tests.engine_util import F64, bucket, load_pair, make_drafter, make_target, random_prompts, run
+from tests.jobs_util import read_out
+
+ROOT = Path(__file__).resolve().parent.parent
+LENGTHS = [40, 3, 90, 17, 60, 8, 25, 33]
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("auto")
+    make_drafter(d / "drafter", 2)
+    return {"qwen3": load_pair(make_target(d / "target"), d / "drafter", F64),
+            "kimi": kimi_pair.load_pair(*kimi_pair.make_kimi_pair(d / "kimi"), F64)}
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("family", ["qwen3", "kimi"])
+def test_an_auto_bucket_turns_speculation_off_and_decodes_as_target_only(pairs, family):
+    target, drafter = pairs[family]
+    vocab = kimi_pair.VOCAB if family == "kimi" else 8
+    prompts = random_prompts(LENGTHS, vocab=vocab, seed=4)
+    auto = Bucket(0, "0-256", 256, 3, "auto", None)
+    want = [c.token_ids for c in run(Engine(target, None, dtype=F64), prompts, bucket(max_num_seqs=3, max_tokens=256),
+                                     max_new_tokens=30)]
+
+    log = []
+    # No block of 8 reaches an acc_len of 9: the switch trips once 6 sequence-rounds are in.
+    engine = Engine(target, drafter, dtype=F64, auto_speculation=(9.0, 6), log=log.append)
+    got = run(engine, prompts, auto, max_new_tokens=30)
+    assert [c.token_ids for c in got] == want
+    off = [line for line in log if "speculation off (auto)" in line]
+    assert len(off) == 1, log
+    speculated = [c for c in got if c.spec is not None]
+    assert 0 < len(speculated) < len(got)
+    assert sum(c.spec.rounds for c in speculated) >= 6
+    # A sequence that was decoding at the switch has speculative rounds and target-only tokens:
+    # its rounds account for fewer tokens than it generated.
+    assert any(c.spec.rounds + c.spec.accepted < len(c.token_ids) - 1 and c.finish_reason == "length"
+               for c in speculated)
+    # The bucket stays off for the rest of the run.
+    assert all(c.spec is None for c in run(engine, prompts[:2], auto, max_new_tokens=30))
+
+    # A bucket that keeps accepting enough stays on.
+    steady = run(Engine(target, drafter, dtype=F64, auto_speculation=(1.0, 6)), prompts, auto, max_new_tokens=30)
+    assert [c.token_ids for c in steady] == want
+    assert all(c.spec is not None for c in steady)
+
+
+def test_demo_long_prompts_turn_speculation_off_and_the_report_says_so(tmp_path):
+    """The demo pair's few-shot prompts (the 256-1024 bucket) accept little: with that bucket on
+    auto (4 at a time), a threshold above its acceptance switches it off part way; the stats and the report
+    show it beside the short bucket, which speculated throughout."""
+    doc = (ROOT / "jobs/demo.yaml").read_text()
+    doc = doc.replace("demo/", str(ROOT / "jobs/demo") + "/").replace("../out/demo", str(tmp_path / "out"))
+    doc = doc.replace("{max_tokens: 1024, max_num_seqs: 8}", "{max_tokens: 1024, max_num_seqs: 4, speculation: auto}")
+    doc = doc.replace("  max_num_batched_tokens: 2048\n",
+                      "  max_num_batched_tokens: 2048\n  auto_speculation: {min_acc_len: 3.0, rounds: 32}\n")
+    (tmp_path / "job.yaml").write_text(doc)
+    result = subprocess.run([sys.executable, "-m", "dflash_batch.cli", "run", str(tmp_path / "job.yaml"),
+                             "--no-progress"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert re.search(r"bucket 256-1024: speculation off \(auto\): acc_len \d\.\d\d", result.stderr)
+    rows = read_out(tmp_path / "out")
+    long = [r for r in rows if r["bucket"] == "256-1024"]
+    assert any(r["spec_block_size"] is None for r in long) and any(r["spec_block_size"] for r in long)
+    stats = orjson.loads((tmp_path / "out/stats/shard-00000.json").read_bytes())["buckets"]
+    assert stats["0-256"]["speculation"] == "on"
+    speculated = sum(r["spec_block_size"] is not None for r in long)
+    assert stats["256-1024"]["speculation"] == f"on for {speculated}/{len(long)}"
+    report = build_report(tmp_path / "out")
+    assert report["buckets"]["256-1024"]["speculation"] == f"on for {speculated}/{len(long)}"
+    assert f"| on for {speculated}/{len(long)} |" in to_markdown(report)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(model={"drafter": None}), r"speculation: auto, which needs model.drafter"),
+    (dict(buckets=[{"max_tokens": 256}], engine={"auto_speculation": {"min_acc_len": 2.0}}),
+     r"engine.auto_speculation is set but no bucket has speculation: auto"),
+])
+def test_the_job_file_refuses_auto_where_it_cannot_act(change, message):
+    doc = {"input": {"paths": ["x.jsonl"], "prompt_column": "p"},
+           "model": {"target": "t", "drafter": "d"}, "engine": {"max_model_len": 256},
+           "buckets": [{"max_tokens": 256, "speculation": "auto"}], "output": {"dir": "o"}}
+    for k, v in change.items():
+        doc[k] = {**doc[k], **v} if isinstance(v, dict) else v
+    with pytest.raises(JobError, match=message):
+        parse_job(doc, Path("job.yaml"))
