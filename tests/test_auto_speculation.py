@@ -18,7 +18,7 @@ from dflash_batch.engine.engine import Engine
 from dflash_batch.job import JobError, parse_job
 from dflash_batch.plan.buckets import Bucket
 from dflash_batch.report import build_report, to_markdown
-from tests import kimi_pair
+from dflash_batch.testing import kimi_pair
 from tests.engine_util import F64, bucket, load_pair, make_drafter, make_target, random_prompts, run
 from tests.jobs_util import read_out
 

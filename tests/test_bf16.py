@@ -19,7 +19,7 @@ import torch
 
 from dflash_batch.engine.cache import SeqRows, build_meta
 from dflash_batch.engine.engine import Engine
-from tests import kimi_pair
+from dflash_batch.testing import kimi_pair
 from tests.engine_util import bucket, load_pair, make_drafter, make_target, random_prompts, run
 
 BF16 = torch.bfloat16

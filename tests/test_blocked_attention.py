@@ -26,7 +26,9 @@ PAGE = 4
 def metas(seed: int):
     pages = list(range(64))
     random.Random(seed).shuffle(pages)
-    rows = [SeqRows(pages[:20], 30, 9, 39), SeqRows(pages[20:40], 0, 17, 17), SeqRows(pages[40:64], 60, 1, 61)]
+    # No sequence's queries start before position 12: a causal forward's blocks of keys before it
+    # take no mask.
+    rows = [SeqRows(pages[:20], 30, 9, 39), SeqRows(pages[20:40], 12, 17, 29), SeqRows(pages[40:64], 60, 1, 61)]
     return lambda: build_meta(rows, PAGE, None, "cpu", None, False)
 
 

@@ -32,7 +32,7 @@ from dflash_batch.models.layers.rope import (
 from dflash_batch.models.loader import load_model
 from tests import drafter_util
 from tests.test_tp import free_port
-from tests.mla_drafter import (
+from dflash_batch.testing.mla_drafter import (
     CONV_GROUP, CONV_TAPS, DN, DR, DV, INTER, KL, LAYERS, QL, RANK, YARN, H, mla_drafter_tensors,
 )
 from tests.drafter_util import (

@@ -19,7 +19,7 @@ from dflash_batch.models.loader import load_model
 from dflash_batch.models.registry import model_class
 from tests import engine_tp_worker
 from tests.engine_util import F64, after_first, bucket, random_prompts, run
-from tests.kimi_pair import BLOCK, TAPS, VOCAB, load_pair, make_kimi_pair
+from dflash_batch.testing.kimi_pair import BLOCK, TAPS, VOCAB, load_pair, make_kimi_pair
 from tests.kimi_reference import load_reference, reference_forward
 from tests.test_tp import free_port
 from dflash_batch.testing.kimi import make_kimi_checkpoint

@@ -14,7 +14,7 @@ from dflash_batch.engine.engine import Engine
 from dflash_batch.engine.request import Request, SamplingParams
 from tests.engine_util import bucket
 from tests.kimi_reference import load_reference, reference_forward
-from tests.kimi_pair import load_pair, make_kimi_pair
+from dflash_batch.testing.kimi_pair import load_pair, make_kimi_pair
 from tests.test_engine_sampling import filtered_by_definition
 
 TOP_K, TOP_P = 5, 0.9

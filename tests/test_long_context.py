@@ -15,7 +15,7 @@ from dflash_batch.backends.torch_attention import TorchAttention
 from dflash_batch.engine.cache import SeqRows, build_meta
 from dflash_batch.engine.engine import Engine
 from dflash_batch.engine.request import Request, SamplingParams
-from tests import kimi_pair
+from dflash_batch.testing import kimi_pair
 from tests.engine_util import F64, bucket, load_pair, make_drafter, make_target, random_prompts, run
 from tests.numerics import assert_close
 

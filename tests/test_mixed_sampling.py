@@ -13,7 +13,7 @@ from dflash_batch.engine.request import Request, SamplingParams
 from dflash_batch.plan.shards import Shard
 from dflash_batch.runner import run_job
 from dflash_batch.testing.tokenizer import make_tokenizer_dir
-from tests import kimi_pair
+from dflash_batch.testing import kimi_pair
 from tests.engine_util import F64, bucket, load_pair, make_drafter, make_target, random_prompts
 from tests.jobs_util import base_job, read_out, write_job, write_jsonl
 

@@ -11,7 +11,7 @@ import pytest
 
 from dflash_batch.engine.engine import Engine
 from dflash_batch.engine.request import Request, SamplingParams
-from tests import kimi_pair
+from dflash_batch.testing import kimi_pair
 from tests.eager_engine import EagerEngine
 from tests.engine_util import F64, bucket, load_pair, make_drafter, make_target, random_prompts
 

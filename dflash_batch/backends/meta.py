@@ -78,6 +78,7 @@ class AttnMeta:
     stage: bool = False         # verify: stage recurrent states per row instead of updating them
     dense: bool = False         # every sequence has q_max rows, in order: q_index is arange
     rows_own_slots: bool = False  # sequence b owns slots b*S..(b+1)*S-1, S = max_pages*page_size
+    min_start: int = 0          # host-side lower bound of every sequence's first query position
     rows: torch.Tensor | None = None  # [bs] batch row of each sequence (whose ring pages it uses)
     ring: Ring | None = None    # the geometry of ring caches, for layers that keep one
     name: str = "forward"       # which planned forward this is (backends plan per name)
@@ -144,6 +145,7 @@ def single_sequence_meta(num_tokens: int, start: int = 0, page_size: int = 16,
         block_tables=torch.arange(pages)[None, :],
         page_size=page_size,
         max_kv=end,
+        min_start=start,
         logits_rows=rows if all_logits else rows[-1:],
         dense=True,
     )

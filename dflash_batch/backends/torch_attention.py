@@ -172,10 +172,13 @@ def _blocked(q: torch.Tensor, keys: Callable[..., tuple[torch.Tensor, torch.Tens
     bs, kv_heads, rows, _ = q.shape
     total = q.new_full((bs, kv_heads, rows, 1), float("-inf"), dtype=wide)  # log-sum-exp so far
     acc = None
+    # Keys before every sequence's first query are visible to all of a causal forward's queries:
+    # those blocks need no mask (in a long prefill chunk, all but the chunk's own few).
+    seen_by_all = meta.min_start if causal and window is None and span.first is None else 0
     for start in range(0, span.count, block):
         stop = min(start + block, span.count)
         k, v = keys(span, start, stop)
-        visible = visible_mask(meta, causal, window, span, start, stop)  # [bs, q_max, keys]
+        visible = None if stop <= seen_by_all else visible_mask(meta, causal, window, span, start, stop)
         part, lse = _block_attention(q, k.transpose(1, 2), v.transpose(1, 2), visible, group, scale)
         merged = torch.logaddexp(total, lse)
         anchor = merged.masked_fill(merged == float("-inf"), 0.0)  # a row that saw no key yet
@@ -185,20 +188,22 @@ def _blocked(q: torch.Tensor, keys: Callable[..., tuple[torch.Tensor, torch.Tens
     return acc.to(q.dtype)
 
 
-def _block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, group: int,
-                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None,
+                     group: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of folded queries q [bs, h, group * q_max, d] over k, v [bs, h, keys,
-    d | dv] where `visible` [bs, q_max, keys]: (out, log-sum-exp [bs, h, rows, 1]); a row that
-    sees no key gets log-sum-exp -inf (and out 0). The heads are unfolded (each K/V head
-    repeated for its group: a block's keys are few) so one [q_max, keys] mask serves them all.
-    On the CPU through ATen's fused flash kernel (~10x the unfused ops here), which wants one
-    head width: V is zero-padded."""
+    d | dv] where `visible` [bs, q_max, keys] (None: everywhere): (out, log-sum-exp [bs, h, rows,
+    1]); a row that sees no key gets log-sum-exp -inf (and out 0). The heads are unfolded (each
+    K/V head repeated for its group: a block's keys are few) so one [q_max, keys] mask serves
+    them all. On the CPU through ATen's fused flash kernel (~10x the unfused ops here), which
+    wants one head width: V is zero-padded."""
     bs, kv_heads, rows, d = q.shape
     heads, q_max, dv = kv_heads * group, rows // group, v.shape[-1]
     q = q.view(bs, heads, q_max, d)
     k, v = (t[:, :, None].expand(-1, -1, group, -1, -1).reshape(bs, heads, t.shape[2], t.shape[3]) for t in (k, v))
-    mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))[:, None]
-    sees = visible.any(-1, keepdim=True)[:, None]
+    mask = sees = None
+    if visible is not None:
+        mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))[:, None]
+        sees = visible.any(-1, keepdim=True)[:, None]  # [bs, 1, q_max, 1]
     if FUSED_CPU_BLOCKS and q.device.type == "cpu":
         v = F.pad(v, (0, d - dv)) if dv < d else v
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
@@ -206,11 +211,13 @@ def _block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible:
         out, lse = out[..., :dv], lse[..., None]
     else:
         wide = torch.promote_types(q.dtype, torch.float32)
-        scores = (q.to(wide) @ k.transpose(-1, -2).to(wide)) * scale + mask.to(wide)
+        scores = (q.to(wide) @ k.transpose(-1, -2).to(wide)) * scale
+        scores = scores if mask is None else scores + mask.to(wide)
         lse = torch.logsumexp(scores, -1, keepdim=True)
         out = (scores - lse).exp() @ v.to(wide)
-    return (out.masked_fill(~sees, 0.0).reshape(bs, kv_heads, rows, dv),
-            lse.masked_fill(~sees, float("-inf")).reshape(bs, kv_heads, rows, 1))
+    if sees is not None:
+        out, lse = out.masked_fill(~sees, 0.0), lse.masked_fill(~sees, float("-inf"))
+    return out.reshape(bs, kv_heads, rows, dv), lse.reshape(bs, kv_heads, rows, 1)
 
 
 TORCH = TorchAttention()

@@ -65,7 +65,7 @@ def build_meta(rows: list[SeqRows], page_size: int, logits_rows: list[int] | Non
     kv_lens = [r.kv_len for r in rows]
     return AttnMeta(positions=t(positions), slots=t(slot_ids), q_index=t(q_index), q_positions=t(q_pos),
                     kv_lens=t(kv_lens), block_tables=t(tables), page_size=page_size,
-                    max_kv=max(kv_lens),
+                    max_kv=max(kv_lens), min_start=min(r.start for r in rows),
                     logits_rows=t(list(range(total)) if logits_rows is None else logits_rows),
                     state_ids=None if state_ids is None else t(state_ids), stage=stage,
                     rows=None if batch_rows is None else t(batch_rows), ring=ring,

@@ -1,4 +1,5 @@
-"""Child processes read from /proc (Linux): for the worker tests and the data-path benchmark."""
+"""Processes read from /proc (Linux): for the worker tests and the data-path and long-prefill
+benchmarks."""
 
 from __future__ import annotations
 
@@ -25,10 +26,24 @@ def alive(pid: int) -> bool:
         return False
 
 
-def peak_rss_mb(pid: int) -> float:
-    """VmHWM: the process's peak RSS since exec; 0 once it is gone."""
+def _status_mb(pid: int, field: str) -> float:
     try:
-        hwm = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("VmHWM"))
-        return int(hwm.split()[1]) / 1024
+        line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith(field))
+        return int(line.split()[1]) / 1024
     except (OSError, StopIteration):
         return 0.0
+
+
+def peak_rss_mb(pid: int) -> float:
+    """VmHWM: the process's peak RSS since exec (or reset_peak_rss); 0 once it is gone."""
+    return _status_mb(pid, "VmHWM")
+
+
+def rss_mb(pid: int) -> float:
+    """VmRSS: the process's RSS now; 0 once it is gone."""
+    return _status_mb(pid, "VmRSS")
+
+
+def reset_peak_rss() -> None:
+    """Start this process's VmHWM again from its RSS now (Linux's clear_refs)."""
+    Path("/proc/self/clear_refs").write_text("5")

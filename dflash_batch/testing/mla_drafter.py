@@ -1,5 +1,6 @@
 """A tiny DFlash2 drafter in `attention_mode: mla` (the Kimi-K3 drafter's shape, shrunk): its
-dimensions and random weights, shared by the MLA drafter tests and the Kimi-K3 engine tests.
+dimensions and random weights, shared by the MLA drafter tests and the tiny Kimi-K3 pair
+(kimi_pair.py).
 Imports neither transformers nor dflash, so spawned TP workers may use it."""
 
 from __future__ import annotations

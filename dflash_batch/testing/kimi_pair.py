@@ -1,5 +1,6 @@
-"""A tiny Kimi-K3 target and a matching tiny DFlash2 drafter in `attention_mode: mla`, for engine
-tests. Imports neither transformers nor dflash, so spawned TP workers may use it.
+"""A tiny Kimi-K3 target and a matching tiny DFlash2 drafter in `attention_mode: mla`, for the
+engine tests and the long-context benchmark. Imports neither transformers nor dflash, so spawned
+TP workers may use it.
 
 The drafter taps target layers 1 (KDA) and 3 (gated MLA, and an AttnRes block-write layer), so
 both kinds of layer state feed the drafter's context. Its two sliding layers have a window shorter
@@ -16,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from dflash_batch.engine.pair import attach_drafter
 from dflash_batch.models.loader import load_model
-from tests.mla_drafter import (
+from dflash_batch.testing.mla_drafter import (
     CONV_GROUP, CONV_TAPS, DN, DR, DV, HIDDEN, INTER, KL, LAYERS, QL, RANK, YARN, H, mla_drafter_tensors,
 )
 from dflash_batch.testing.kimi import make_kimi_checkpoint
