@@ -14,7 +14,10 @@ from pathlib import Path
 import orjson
 import pytest
 
+from dflash_batch.engine import engine as engine_module
+from dflash_batch.engine.batch import DecodeBatch
 from dflash_batch.engine.engine import Engine
+from dflash_batch.engine.graphs import RoundGraphs
 from dflash_batch.job import JobError, parse_job
 from dflash_batch.plan.buckets import Bucket
 from dflash_batch.report import build_report, to_markdown
@@ -60,6 +63,8 @@ def test_an_auto_bucket_turns_speculation_off_and_decodes_as_target_only(pairs, 
                for c in speculated)
     # The bucket stays off for the rest of the run.
     assert all(c.spec is None for c in run(engine, prompts[:2], auto, max_new_tokens=30))
+    if family == "kimi":  # one-row verifies stage one row
+        assert {layer.self_attn.staged_raw.shape[1] for layer in target.model.layers if layer.is_kda} == {1}
 
     # A bucket that keeps accepting enough stays on.
     steady = run(Engine(target, drafter, dtype=F64, auto_speculation=(1.0, 6)), prompts, auto, max_new_tokens=30)
@@ -106,3 +111,55 @@ def test_the_job_file_refuses_auto_where_it_cannot_act(change, message):
         doc[k] = {**doc[k], **v} if isinstance(v, dict) else v
     with pytest.raises(JobError, match=message):
         parse_job(doc, Path("job.yaml"))
+
+
+class WarmUpOnly(RoundGraphs):
+    """RoundGraphs on the CPU: the warm-up rounds a capture runs, for real, and no graph."""
+
+    def _capture(self, size: int, greedy: bool) -> None:
+        for _ in range(2):
+            self.step(self.batch, size, greedy, self.max_kv)
+
+    def covers(self, size: int) -> bool:
+        return False
+
+
+@pytest.mark.numerics
+def test_the_switch_captures_before_sequences_move_in(pairs, monkeypatch):
+    """With CUDA graphs, the one-row round is captured (its warm-up rounds run) while its batch
+    is all padding: captured after the sequences moved in, the warm-ups would decode them."""
+    monkeypatch.setattr(engine_module, "RoundGraphs", WarmUpOnly)
+    target, drafter = pairs["qwen3"]
+    prompts = random_prompts(LENGTHS, seed=4)
+    want = [c.token_ids for c in run(Engine(target, None, dtype=F64), prompts, bucket(max_num_seqs=3, max_tokens=256),
+                                     max_new_tokens=30)]
+    engine = Engine(target, drafter, dtype=F64, auto_speculation=(9.0, 6), cuda_graphs=True, capture_sizes=[1, 2, 4])
+    got = run(engine, prompts, Bucket(0, "0-256", 256, 3, "auto", None), max_new_tokens=30)
+    assert [c.token_ids for c in got] == want
+    assert engine.auto["0-256"].off
+
+
+@pytest.mark.numerics
+def test_a_switch_that_fails_leaves_speculation_on_and_is_tried_again(pairs, monkeypatch):
+    """The one-row batch cannot be allocated once: the round's sequences start over (an engine
+    error), the bucket still speculates, the next full window switches it, and the log says off
+    once; outputs stay target-only's."""
+    target, drafter = pairs["qwen3"]
+    failed = []
+
+    def flaky(*args, **kwargs):
+        if args[1] == 1 and not failed:
+            failed.append(True)
+            raise RuntimeError("no memory for the one-row batch")
+        return DecodeBatch(*args, **kwargs)
+
+    prompts = random_prompts(LENGTHS, seed=4)
+    want = [c.token_ids for c in run(Engine(target, None, dtype=F64), prompts, bucket(max_num_seqs=3, max_tokens=256),
+                                     max_new_tokens=30)]
+    monkeypatch.setattr(engine_module, "DecodeBatch", flaky)
+    log = []
+    engine = Engine(target, drafter, dtype=F64, auto_speculation=(9.0, 6), log=log.append)
+    got = run(engine, prompts, Bucket(0, "0-256", 256, 3, "auto", None), max_new_tokens=30)
+    assert failed and [c.token_ids for c in got] == want
+    assert sum("speculation off (auto)" in line for line in log) == 1 and engine.auto["0-256"].off
+    assert any(c.spec is None for c in got)

@@ -57,18 +57,21 @@ def load(pairs, family: str):
 
 @pytest.mark.parametrize("family", ["qwen3", "kimi"])
 def test_rings_draft_what_whole_caches_draft(pairs, family):
-    """Prompts up to 40x the window, prefilled in chunks 8x the ring; four rows reused by eight
-    requests; the first prompt sampled twice (the follower copies the leader's ring); on Qwen3
+    """Prompts up to 40x the window, prefilled in chunks 8x the ring; four rows reused by nine
+    requests; the first prompt sampled twice at once (the follower copies the leader's ring) and
+    once more later (on Qwen3 it copies the prefilled prompt but for its last window); on Qwen3
     two prompts sharing a 128-token head, the shorter one copying it from the longer (the copy
     stops a window before its prompt's end: its ring holds none of the head). Every draft's
-    hidden states equal those drawn from whole caches, and greedy outputs equal target-only."""
+    hidden states equal those drawn from whole caches, greedy, sampled and with prompt logprobs
+    (the copies' own prefill adds only what they did not copy), and greedy outputs equal
+    target-only."""
     target, drafter = load(pairs, family)
     vocab = kimi_pair.VOCAB if family == "kimi" else 8
     head, long, short, *rest = random_prompts([128, 20, 3, 320, 70, 9, 180, 41], vocab=vocab, seed=3)
-    prompts = [rest[0], rest[0], head + long, head + short, *rest[1:]]
+    prompts = [rest[0], rest[0], head + long, head + short, rest[0], *rest[1:]]
     b = bucket(max_num_seqs=4, max_tokens=512)
 
-    def drafts(attention, **params) -> tuple[list, list[torch.Tensor]]:
+    def drafts(attention, **params) -> tuple[list, list[torch.Tensor], list]:
         hidden = []
         forward = drafter.forward
 
@@ -85,13 +88,16 @@ def test_rings_draft_what_whole_caches_draft(pairs, family):
             done = {c.key: c for c in engine.generate(reqs, b)}
         finally:
             drafter.forward = forward
-        return [(done[r.key].token_ids, done[r.key].spec.per_round) for r in reqs], hidden
+        return ([(done[r.key].token_ids, done[r.key].spec.per_round) for r in reqs], hidden,
+                [done[r.key].prompt_logprobs for r in reqs])
 
     outputs = {}
-    for name, params in {"greedy": dict(temperature=0.0), "sampled": dict(temperature=1.0, top_k=4)}.items():
-        whole, whole_hidden = drafts(WholeCaches(), **params)
+    cases = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=1.0, top_k=4),
+             "prompt logprobs": dict(temperature=0.0, prompt_logprobs=2)}
+    for name, params in cases.items():
+        whole, whole_hidden, whole_scores = drafts(WholeCaches(), **params)
         assert all(c.shape[0] == full_caches(drafter)[0].shape[0] for c in sliding_caches(drafter))
-        ring, ring_hidden = drafts(TorchAttention(), **params)
+        ring, ring_hidden, ring_scores = drafts(TorchAttention(), **params)
         rows_of_slots = (b.max_num_seqs + 1) * PAGE  # a ring page per row holds window + block - 1
         assert {c.shape[0] for c in sliding_caches(drafter)} == {rows_of_slots}
         assert all(c.shape[0] > 20 * rows_of_slots for c in full_caches(drafter))
@@ -99,6 +105,10 @@ def test_rings_draft_what_whole_caches_draft(pairs, family):
         assert len(ring_hidden) == len(whole_hidden)
         for got, want in zip(ring_hidden, whole_hidden):
             assert_close(got, want)
+        for got, want, prompt in zip(ring_scores, whole_scores, prompts):
+            if "prompt_logprobs" in params:
+                assert len(got.token) == len(want.token) == len(prompt)
+                assert_close(torch.tensor(got.token[1:], dtype=F64), torch.tensor(want.token[1:], dtype=F64))
         outputs[name] = ring
     plain = run(Engine(target, None, dtype=F64), prompts, b, max_new_tokens=40)
     assert [tokens for tokens, _ in outputs["greedy"]] == [c.token_ids for c in plain]
@@ -109,7 +119,8 @@ def test_chunked_prefill_at_32k_equals_one_shot(pairs):
     """A 32k-token prompt through the tiny Kimi-K3 and its drafter's context: in chunks of 8192
     tokens (the default max_num_batched_tokens) == in one forward. Logits and taps of every row,
     the KDA layers' recurrent and conv states, the drafter's full layer's context rows and its
-    sliding layers' rings (the one-shot write keeps the last ring-full of 32k rows)."""
+    sliding layers' rings (the one-shot write keeps the last ring-full of 32k rows), which hold
+    what whole caches hold at those positions."""
     length, chunk = 32768, 8192
     ids = torch.randint(0, kimi_pair.VOCAB, (length,), generator=torch.Generator().manual_seed(7))
     pages = list(range(length // PAGE + 1))
@@ -142,3 +153,16 @@ def test_chunked_prefill_at_32k_equals_one_shot(pairs):
     want, got = prefill(length), prefill(chunk)
     for name in want:
         assert_close(got[name], want[name], msg=name)
+    # The rings hold the last ring-full of positions, as whole caches hold them.
+    _, whole = load(pairs, "kimi")
+    whole.allocate_cache(len(pages) * PAGE, F64, "cpu")
+    with torch.inference_mode():
+        whole.write_context(want["taps"], build_meta([SeqRows(pages, 0, length, length)], PAGE, None, "cpu", [0]))
+    span = ring.pages * PAGE
+    last = torch.arange(length - span, length)
+    expected = []
+    for cache in sliding_caches(whole):
+        ring_rows = torch.empty_like(cache[:span])
+        ring_rows[last % span] = cache[last]  # row 0's ring: position p on slot p mod span
+        expected.append(ring_rows)
+    assert_close(want["drafter rings"], torch.cat(expected))

@@ -301,11 +301,17 @@ class Engine:
         target-only in the same rows (their pages and recurrent state, which B = 1 rounds read
         as they are), with the speculative rounds they ran counted; those prefilling or not yet
         started run without the drafter. Returns the decoding state of B = 1 rounds."""
-        auto = self._auto(bucket)
-        self.log(f"bucket {bucket.name}: speculation off (auto): acc_len {auto.acc_len:.2f} over the last "
-                 f"{len(auto.recent)} sequence-rounds < {auto.min_acc_len}; target-only from here")
+        # What can fail (allocation, capture) comes first: a switch that raises changes nothing
+        # and the next round tries again.
         one = DecodeBatch(batch.rows, 1, pages_per_row, self.page_size, bucket.max_num_seqs, self.device,
                           self.vocab_size, batch)
+        if self.recurrent:  # one-row verifies: one row of staging
+            self.target.allocate_staging(batch.rows, 1, self.device)
+        if 1 not in self.rounds:
+            self.rounds[1] = Round(self.target, None, 1, self.page_size, self.ops, self.attention, self.compile)
+        # Captured while every row of the new batch is padding (warm-up rounds run for real).
+        graphs = RoundGraphs(self.rounds[1], one, self.capture_sizes, pages_per_row * self.page_size) \
+            if self.cuda_graphs else None
         for seq in q.prefilling + [f for s in q.prefilling for f in s.followers]:
             seq.spec = None
         for seq in q.running:
@@ -313,10 +319,10 @@ class Engine:
                 if not seq.spec.rounds:
                     seq.spec = None
                 one.put(seq.row, seq)
-        if 1 not in self.rounds:
-            self.rounds[1] = Round(self.target, None, 1, self.page_size, self.ops, self.attention, self.compile)
-        graphs = RoundGraphs(self.rounds[1], one, self.capture_sizes, pages_per_row * self.page_size) \
-            if self.cuda_graphs else None
+        auto = self._auto(bucket)
+        auto.off = True
+        self.log(f"bucket {bucket.name}: speculation off (auto): acc_len {auto.acc_len:.2f} over the last "
+                 f"{len(auto.recent)} sequence-rounds < {auto.min_acc_len}; target-only from here")
         shape = (bucket.max_num_seqs, pages_per_row, 1)
         self.bucket_state = (shape, runtime_tensors([self.target]), one, self.rounds[1], graphs)
         self.ring, self.ring_caches = None, []
@@ -444,7 +450,8 @@ class Engine:
                 cache[dst] = cache[src]
             seq.prefilled = n
             if seq.prompt_logprobs is not None:  # the source's are complete: its prefill is done
-                seq.prompt_logprobs = source.prompt_logprobs.cut(len(seq.prompt))
+                # Entries 0..n: the copied rows score prompt tokens 1..n; its own prefill the rest.
+                seq.prompt_logprobs = source.prompt_logprobs.cut(min(n + 1, len(seq.prompt)))
 
     @staticmethod
     def _score(into: Logprobs, scores: torch.Tensor, tokens: list[int], k: int) -> None:

@@ -1,7 +1,8 @@
 """CUDA graphs of a Round: one per (padded batch size, greedy or sampled).
 
-Captured when the bucket starts, while every row of the batch is padding, so warm-up and capture
-change nothing a sequence will read (padding rows write only scratch slots and the scratch
+Captured when the bucket starts (or an auto bucket stops speculating: before its sequences move
+into the new batch), while every row of the batch is padding, so warm-up and capture change
+nothing a sequence will read (padding rows write only scratch slots and the scratch
 recurrent state). Before each replay the engine has the attention backend plan the round from
 host-side lengths (flashinfer's plan must run outside the graph); the graph then reads the
 batch's static tensors, which the host keeps current between rounds.

@@ -20,22 +20,17 @@ class AutoSpeculation:
     rounds: int
     recent: deque = field(default_factory=deque)  # drafts accepted in each of the last sequence-rounds
     accepted: int = 0  # their sum
-    seen: int = 0      # sequence-rounds recorded in all
-    off: bool = False
+    off: bool = False  # set by the engine once it has switched
 
     def record(self, accepted: list[int]) -> bool:
-        """Add one round's accepted drafts (one entry per sequence); True when this round turns
-        speculation off."""
+        """Add one round's accepted drafts (one entry per sequence); True when speculation should
+        stop: a full window whose acceptance length is below the threshold."""
         for n in accepted:
             self.recent.append(n)
             self.accepted += n
             if len(self.recent) > self.rounds:
                 self.accepted -= self.recent.popleft()
-        self.seen += len(accepted)
-        if self.off or len(self.recent) < self.rounds or self.acc_len >= self.min_acc_len:
-            return False
-        self.off = True
-        return True
+        return not self.off and len(self.recent) >= self.rounds and self.acc_len < self.min_acc_len
 
     @property
     def acc_len(self) -> float:

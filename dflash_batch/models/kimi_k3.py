@@ -189,6 +189,12 @@ class KDA(nn.Module):
         dtype = self.A_log.dtype  # float32 (float64 for a float64 model)
         self.conv_state = torch.zeros(slots, C, self.kernel - 1, device=device, dtype=dtype)
         self.state = torch.zeros(slots, H, d, d, device=device, dtype=dtype)
+        self.allocate_staging(batch, rows, device)
+
+    def allocate_staging(self, batch: int, rows: int, device) -> None:
+        """Staging for verifies of `batch` sequences of `rows` rows each (the state is kept)."""
+        C, H, d = 3 * self.heads * self.d, self.heads, self.d
+        dtype = self.A_log.dtype
         self.staged_raw = torch.zeros(batch, rows, C, device=device, dtype=self.q_proj.weight.dtype)
         self.staged_g = torch.zeros(batch, rows, H, d, device=device, dtype=dtype)
         self.staged_beta = torch.zeros(batch, rows, H, device=device, dtype=dtype)
@@ -347,6 +353,13 @@ class KimiK3ForConditionalGeneration(nn.Module):
         for layer in self.model.layers:
             if layer.is_kda:
                 layer.self_attn.allocate(slots, batch, rows, device)
+
+    def allocate_staging(self, batch: int, rows: int, device) -> None:
+        """Verify staging for `rows` rows a sequence, the recurrent states kept (a bucket that
+        stops speculating goes on with one-row rounds)."""
+        for layer in self.model.layers:
+            if layer.is_kda:
+                layer.self_attn.allocate_staging(batch, rows, device)
 
     def reset_state(self, slot: int) -> None:
         """Zero one sequence's recurrent state (conv window and delta-rule state) before a new
