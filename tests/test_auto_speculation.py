@@ -73,17 +73,13 @@ def test_an_auto_bucket_turns_speculation_off_and_decodes_as_target_only(pairs, 
 
 
 def test_demo_long_prompts_turn_speculation_off_and_the_report_says_so(tmp_path):
-    """The demo pair's few-shot prompts (the 256-1024 bucket) accept little: with that bucket on
-    auto (4 at a time), a threshold above its acceptance switches it off part way; the stats and the report
-    show it beside the short bucket, which speculated throughout."""
-    doc = (ROOT / "jobs/demo.yaml").read_text()
-    doc = doc.replace("demo/", str(ROOT / "jobs/demo") + "/").replace("../out/demo", str(tmp_path / "out"))
-    doc = doc.replace("{max_tokens: 1024, max_num_seqs: 8}", "{max_tokens: 1024, max_num_seqs: 4, speculation: auto}")
-    doc = doc.replace("  max_num_batched_tokens: 2048\n",
-                      "  max_num_batched_tokens: 2048\n  auto_speculation: {min_acc_len: 3.0, rounds: 32}\n")
-    (tmp_path / "job.yaml").write_text(doc)
-    result = subprocess.run([sys.executable, "-m", "dflash_batch.cli", "run", str(tmp_path / "job.yaml"),
-                             "--no-progress"], capture_output=True, text=True, timeout=600)
+    """jobs/demo-auto.yaml: the demo pair's few-shot prompts (the 256-1024 bucket) accept little;
+    with that bucket on auto (4 at a time) and a threshold above its acceptance, it switches off
+    part way; the stats and the report show it beside the short bucket, which speculated
+    throughout."""
+    result = subprocess.run([sys.executable, "-m", "dflash_batch.cli", "run", str(ROOT / "jobs/demo-auto.yaml"),
+                             "--output-dir", str(tmp_path / "out"), "--no-progress"], capture_output=True, text=True,
+                            timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     assert re.search(r"bucket 256-1024: speculation off \(auto\): acc_len \d\.\d\d", result.stderr)
     rows = read_out(tmp_path / "out")
