@@ -305,13 +305,13 @@ class Engine:
         # and the next round tries again.
         one = DecodeBatch(batch.rows, 1, pages_per_row, self.page_size, bucket.max_num_seqs, self.device,
                           self.vocab_size, batch)
-        if self.recurrent:  # one-row verifies: one row of staging
-            self.target.allocate_staging(batch.rows, 1, self.device)
         if 1 not in self.rounds:
             self.rounds[1] = Round(self.target, None, 1, self.page_size, self.ops, self.attention, self.compile)
         # Captured while every row of the new batch is padding (warm-up rounds run for real).
         graphs = RoundGraphs(self.rounds[1], one, self.capture_sizes, pages_per_row * self.page_size) \
             if self.cuda_graphs else None
+        if self.recurrent:  # one-row verifies: one row of staging
+            self.target.allocate_staging(batch.rows, 1, self.device)
         for seq in q.prefilling + [f for s in q.prefilling for f in s.followers]:
             seq.spec = None
         for seq in q.running:
