@@ -196,6 +196,7 @@ class Engine:
                     involved = [s for s in q.running if s is not None]
                     if not involved:
                         return
+                switch = False  # an auto bucket's acceptance fell: speculation stops after this step
                 try:
                     if q.prefilling:
                         finished = self._prefill(chunks, block, caches)
@@ -207,16 +208,17 @@ class Engine:
                     else:
                         accepted = self._round(batch, q.running, step, graphs, block)
                         finished = [s for s in involved if s.finish_reason]
-                        if block > 1 and bucket.speculation == "auto" and self._auto(bucket).record(accepted):
-                            batch, step, graphs = self._stop_speculating(bucket, q, batch, pages_per_row)
-                            block = 1
-                            caches = [t for t in runtime_tensors([self.target]) if t.shape[0] == batch.num_slots]
+                        switch = block > 1 and bucket.speculation == "auto" and self._auto(bucket).record(accepted)
                 except Exception as error:  # noqa: BLE001 - any failure: decide what it costs
                     involved += [f for s in involved for f in s.followers]  # they wait on it
                     finished = self._recover(error, involved, q, batch, bucket)
                 for seq in finished:
                     q.release(seq, batch)
                     yield seq.completion(self.decode)
+                if switch and (one_row := self._stop_speculating(bucket, q, batch, pages_per_row)) is not None:
+                    batch, step, graphs = one_row
+                    block = 1
+                    caches = [t for t in runtime_tensors([self.target]) if t.shape[0] == batch.num_slots]
 
     def _recover(self, error: Exception, involved: list[Sequence], q: _Queue, batch: DecodeBatch,
                  bucket: Bucket) -> list[Sequence]:
@@ -296,29 +298,40 @@ class Engine:
         return self.auto[bucket.name]
 
     def _stop_speculating(self, bucket: Bucket, q: _Queue, batch: DecodeBatch,
-                          pages_per_row: int) -> tuple[DecodeBatch, Round, RoundGraphs | None]:
+                          pages_per_row: int) -> tuple[DecodeBatch, Round, RoundGraphs | None] | None:
         """An auto bucket's acceptance fell below its threshold: the sequences decoding go on
         target-only in the same rows (their pages and recurrent state, which B = 1 rounds read
         as they are), with the speculative rounds they ran counted; those prefilling or not yet
-        started run without the drafter. Returns the decoding state of B = 1 rounds."""
-        # What can fail (allocation, capture) comes first: a switch that raises changes nothing
-        # and the next round tries again.
-        one = DecodeBatch(batch.rows, 1, pages_per_row, self.page_size, bucket.max_num_seqs, self.device,
-                          self.vocab_size, batch)
-        if 1 not in self.rounds:
-            self.rounds[1] = Round(self.target, None, 1, self.page_size, self.ops, self.attention, self.compile)
-        # Captured while every row of the new batch is padding (warm-up rounds run for real).
-        graphs = RoundGraphs(self.rounds[1], one, self.capture_sizes, pages_per_row * self.page_size) \
-            if self.cuda_graphs else None
-        if self.recurrent:  # one-row verifies: one row of staging
-            self.target.allocate_staging(batch.rows, 1, self.device)
+        started run without the drafter. Returns the decoding state of B = 1 rounds, or None
+        when it could not be built (the bucket goes on speculating and tries again a window of
+        rounds later; no sequence is touched)."""
+        running = [seq for seq in q.running if seq is not None]
+        try:
+            one = DecodeBatch(batch.rows, 1, pages_per_row, self.page_size, bucket.max_num_seqs, self.device,
+                              self.vocab_size, batch)
+            if 1 not in self.rounds:
+                self.rounds[1] = Round(self.target, None, 1, self.page_size, self.ops, self.attention, self.compile)
+            # Captured while every row of the new batch is padding (warm-up rounds run for real).
+            graphs = RoundGraphs(self.rounds[1], one, self.capture_sizes, pages_per_row * self.page_size) \
+                if self.cuda_graphs else None
+            for seq in running:
+                one.put(seq.row, seq)
+            if self.recurrent:  # one-row verifies: one row of staging
+                self.target.allocate_staging(batch.rows, 1, self.device)
+        except Exception as error:  # noqa: BLE001 - speculation goes on; nothing of a sequence changed
+            if self.recurrent:  # whole again, if the shrink had begun
+                self.target.allocate_staging(batch.rows, batch.block, self.device)
+            auto = self._auto(bucket)
+            auto.recent.clear()
+            auto.accepted = 0
+            self.log(f"bucket {bucket.name}: speculation could not be turned off ({type(error).__name__}: "
+                     f"{error}); still speculating, trying again after {auto.rounds} more sequence-rounds")
+            return None
         for seq in q.prefilling + [f for s in q.prefilling for f in s.followers]:
             seq.spec = None
-        for seq in q.running:
-            if seq is not None:
-                if not seq.spec.rounds:
-                    seq.spec = None
-                one.put(seq.row, seq)
+        for seq in running:
+            if not seq.spec.rounds:
+                seq.spec = None
         auto = self._auto(bucket)
         auto.off = True
         self.log(f"bucket {bucket.name}: speculation off (auto): acc_len {auto.acc_len:.2f} over the last "
