@@ -121,6 +121,11 @@ def runtime_tensors(models: list[torch.nn.Module]) -> list[torch.Tensor]:
             if isinstance(v, torch.Tensor)]
 
 
+def slot_caches(models: list[torch.nn.Module], batch: DecodeBatch) -> list[torch.Tensor]:
+    """The caches indexed by the batch's slots (K/V, latents): what a sequence sharing a prompt copies."""
+    return [t for t in runtime_tensors(models) if t.shape[0] == batch.num_slots]
+
+
 class Engine:
     def __init__(self, target, drafter=None, decode=None, *, page_size: int = 16,
                  max_num_batched_tokens: int = 8192, dtype: torch.dtype = torch.float32,
@@ -169,8 +174,7 @@ class Engine:
             batch, step, graphs = self._allocate(bucket, block, pages_per_row, models)
             self.bucket_state = (shape, runtime_tensors(models), batch, step, graphs)
         _, _, batch, step, graphs = self.bucket_state
-        # The caches indexed by slot (K/V, latents): what a sequence sharing a prompt copies.
-        caches = [t for t in runtime_tensors(models) if t.shape[0] == batch.num_slots]
+        caches = slot_caches(models, batch)
         self.ring = batch.ring
         self.ring_caches = [] if self.ring is None else [
             t for t in runtime_tensors([self.drafter]) if t.shape[0] == self.ring.slots(seqs, self.page_size)]
@@ -218,7 +222,7 @@ class Engine:
                 if switch and (one_row := self._stop_speculating(bucket, q, batch, pages_per_row)) is not None:
                     batch, step, graphs = one_row
                     block = 1
-                    caches = [t for t in runtime_tensors([self.target]) if t.shape[0] == batch.num_slots]
+                    caches = slot_caches([self.target], batch)
 
     def _recover(self, error: Exception, involved: list[Sequence], q: _Queue, batch: DecodeBatch,
                  bucket: Bucket) -> list[Sequence]:
@@ -322,8 +326,7 @@ class Engine:
             if self.recurrent:  # whole again, if the shrink had begun
                 self.target.allocate_staging(batch.rows, batch.block, self.device)
             auto = self._auto(bucket)
-            auto.recent.clear()
-            auto.accepted = 0
+            auto.restart()
             self.log(f"bucket {bucket.name}: speculation could not be turned off ({type(error).__name__}: "
                      f"{error}); still speculating, trying again after {auto.rounds} more sequence-rounds")
             return None

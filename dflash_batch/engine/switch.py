@@ -32,6 +32,11 @@ class AutoSpeculation:
                 self.accepted -= self.recent.popleft()
         return not self.off and len(self.recent) >= self.rounds and self.acc_len < self.min_acc_len
 
+    def restart(self) -> None:
+        """Measure a whole window again (after a switch that could not be made)."""
+        self.recent.clear()
+        self.accepted = 0
+
     @property
     def acc_len(self) -> float:
         """1 + accepted drafts per sequence-round, over the window."""

@@ -239,8 +239,7 @@ def _bucket_totals(t: pa.Table) -> dict[str, dict]:
             "spec_accepted": _per_bucket(code, n, t["spec_accepted"]),
             "spec_drafted": _per_bucket(code, n, drafted),
             # ok rows decoded with the drafter (an auto bucket that turned it off has fewer)
-            "speculated": _per_bucket(code, n, pc.and_(pc.equal(t["status"], "ok"),
-                                                        pc.is_valid(t["spec_block_size"])).cast(pa.int64()))}
+            "speculated": _per_bucket(code, n, pc.multiply(ok, pc.is_valid(t["spec_block_size"]).cast(pa.int64())))}
     matrix = list_sums(t["spec_histogram"], code, n)
     return {name: {**{k: v[i] for k, v in sums.items()}, "spec_histogram": matrix[i].tolist()}
             for i, name in enumerate(names)}

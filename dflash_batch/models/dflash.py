@@ -53,7 +53,7 @@ class CacheLayer(nn.Module):
     window: int | None
     ring = False
 
-    def ring_slots(self, num_slots: int, ring_slots: int | None) -> int:
+    def cache_slots(self, num_slots: int, ring_slots: int | None) -> int:
         """How many slots this layer's cache holds (and remember whether it is a ring)."""
         self.ring = ring_slots is not None and self.window is not None
         return ring_slots if self.ring else num_slots
@@ -98,7 +98,7 @@ class DFlashAttention(CacheLayer):
 
     def allocate(self, num_slots: int, dtype: torch.dtype, device: torch.device | str,
                  ring_slots: int | None = None) -> int:
-        shape = (self.ring_slots(num_slots, ring_slots), self.num_kv_heads, self.head_dim)
+        shape = (self.cache_slots(num_slots, ring_slots), self.num_kv_heads, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         return 2 * self.k_cache.nbytes
@@ -154,7 +154,7 @@ class DFlashMLAAttention(CacheLayer):
 
     def allocate(self, num_slots: int, dtype: torch.dtype, device: torch.device | str,
                  ring_slots: int | None = None) -> int:
-        self.cache = torch.zeros(self.ring_slots(num_slots, ring_slots), 1, self.kl + self.dr, dtype=dtype,
+        self.cache = torch.zeros(self.cache_slots(num_slots, ring_slots), 1, self.kl + self.dr, dtype=dtype,
                                  device=device)
         return self.cache.nbytes
 
