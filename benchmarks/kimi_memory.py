@@ -20,7 +20,7 @@ KDA_HEADS, KDA_D, CONV = 96, 128, 4
 Q_LORA, KV_LORA, ROPE, NOPE, V = 1536, 512, 64, 128, 128
 MLA_HEADS = 96
 EXPERTS, TOPK, MOE_I, LATENT, SHARED_I, DENSE_I = 896, 16, 3072, 3584, 6144, 33792
-DRAFT_LAYERS, DRAFT_HEADS, DRAFT_I, BLOCK, TAPS, SEL_R = 5, 64, 14336, 8, 5, 256
+DRAFT_LAYERS, DRAFT_HEADS, DRAFT_I, BLOCK, TAPS, SEL_R, SEL_K = 5, 64, 14336, 8, 5, 256, 16
 DRAFT_SLIDING, DRAFT_WINDOW, PAGE = 4, 4096, 16  # 4 sliding layers (window 4096) + 1 full
 BF16, F32 = 2, 4
 GB = 1e9
@@ -76,11 +76,26 @@ def main() -> None:
           f"{free / GB:.1f} GB (after {args.reserve_gb:.0f} GB reserve)")
     print(f"{'bucket':>7} {'GB/seq':>8} {'max_num_seqs':>13} {'GB/seq (sliding layers whole)':>30} "
           f"{'max_num_seqs':>13}")
+    fits = {}
     for ctx in (8192, 32768, 65536, 131072):
         ringed = ctx * (mla_token + draft_token) + rings + kda_state + replay
         whole = ctx * (mla_token + DRAFT_LAYERS * draft_layer_token) + kda_state + replay
         print(f"{ctx // 1024:>6}k {ringed / GB:>8.2f} {int(free // ringed):>13} {whole / GB:>30.2f} "
               f"{int(free // whole):>13}")
+        fits[ctx] = int(free // ringed)
+    logits_per_round(fits[8192], tp)
+
+
+def logits_per_round(seqs: int, tp: int) -> None:
+    """A greedy round's logits per rank: gathered whole rows (bf16 gathered, widened to fp32) against
+    each rank's vocabulary slice and the few values a row it sends (parallel.sharded_top1 / _topk)."""
+    verify, draft = seqs * BLOCK, seqs * (BLOCK - 1)
+    whole = (verify + draft) * VOCAB * (BF16 + F32)
+    sent_whole = (verify + draft) * VOCAB * BF16 * (tp - 1) / tp
+    sent_split = (verify * 3 + draft * 2 * SEL_K) * F32 * (tp - 1)
+    print(f"logits of a greedy round at {seqs} sequences, per rank: whole rows {whole / GB:.2f} GB "
+          f"(all-gather receives {sent_whole / GB:.2f} GB); vocabulary slices {whole / tp / GB:.2f} GB "
+          f"(receives {sent_split / 1e6:.1f} MB: argmax and selector top-{SEL_K} per row)")
 
 
 if __name__ == "__main__":

@@ -38,6 +38,34 @@ def all_gather_last(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def sharded_topk(local: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest values along the last dim of logits split across ranks (rank r holds the
+    vocabulary slice r * V_local ..): (values, global ids), sorted descending. Each rank sends
+    its own top k (values and ids in one tensor), not its slice of the row."""
+    k_local = min(k, local.shape[-1])
+    values, ids = local.topk(k_local, dim=-1)
+    if world_size() == 1:
+        return values, ids
+    # Vocabulary ids are exact in the values' float dtype (float32 up to 2^24).
+    pairs = torch.stack([values, (ids + rank() * local.shape[-1]).to(values.dtype)], dim=-1)
+    merged = all_gather_last(pairs.flatten(-2)).unflatten(-1, (-1, 2))  # [..., ranks * k_local, 2]
+    values, at = merged[..., 0].topk(min(k, merged.shape[-2]), dim=-1)
+    return values, merged[..., 1].gather(-1, at).long()
+
+
+def sharded_top1(local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(argmax over the whole split last dim, whether every value of the row is finite) on every
+    rank; a tie goes to the lowest id, as argmax over the whole row. One gather of 3 values a row."""
+    best, ids = local.max(-1)
+    finite = torch.isfinite(local).all(-1)
+    if world_size() == 1:
+        return ids, finite
+    triples = torch.stack([best, (ids + rank() * local.shape[-1]).to(best.dtype), finite.to(best.dtype)], -1)
+    merged = all_gather_last(triples).unflatten(-1, (-1, 3))  # [..., ranks, 3], ranks in vocab order
+    at = merged[..., 0].max(-1, keepdim=True).indices  # the first rank holding the maximum
+    return merged[..., 1].gather(-1, at)[..., 0].long(), merged[..., 2].min(-1).values > 0
+
+
 def any_rank(flag: bool) -> bool:
     """True on every rank if it is true on any (so all ranks take the same branch)."""
     if world_size() == 1:

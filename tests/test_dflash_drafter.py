@@ -25,6 +25,7 @@ from transformers import DynamicCache, Qwen3Config
 from dflash.model import DFlash2DraftModel, DFlashDraftModel
 from dflash.model import build_target_layer_ids as reference_layer_ids
 from dflash_batch.models.dflash import DFlash2Drafter, build_target_layer_ids
+from dflash_batch.models.layers.linear import ParallelLMHead
 from dflash_batch.models.loader import load_model
 from tests import drafter_util
 from tests.test_tp import free_port
@@ -63,9 +64,11 @@ def make_drafter(directory: Path, version: int, block_size: int = 8, sliding: bo
     return ref.eval()
 
 
-def target_io(seed: int = 1) -> tuple[nn.Embedding, nn.Linear]:
+def target_io(seed: int = 1) -> tuple[nn.Embedding, ParallelLMHead]:
+    """The target's embedding and head (ours: the drafter reads the head's vocabulary slice; the
+    reference calls it as a plain linear layer)."""
     gen = torch.Generator().manual_seed(seed)
-    embed, head = nn.Embedding(VOCAB, HIDDEN), nn.Linear(HIDDEN, VOCAB, bias=False)
+    embed, head = nn.Embedding(VOCAB, HIDDEN), ParallelLMHead(HIDDEN, VOCAB)
     with torch.no_grad():
         embed.weight.copy_(torch.randn(VOCAB, HIDDEN, generator=gen))
         head.weight.copy_(torch.randn(VOCAB, HIDDEN, generator=gen) / HIDDEN ** 0.5)
@@ -87,7 +90,7 @@ def reference_draft(ref: nn.Module, embed: nn.Embedding, taps: torch.Tensor, ids
 
 
 @torch.no_grad()
-def reference_proposal(ref: nn.Module, head: nn.Linear, hidden: torch.Tensor, anchor: int) -> torch.Tensor:
+def reference_proposal(ref: nn.Module, head: nn.Module, hidden: torch.Tensor, anchor: int) -> torch.Tensor:
     if isinstance(ref, DFlash2DraftModel):
         return ref.propose(hidden[None, 1:], torch.tensor([anchor]), head, 0.0)[0][0]
     return ref.compute_logits(hidden[None, 1:], head).argmax(-1)[0]

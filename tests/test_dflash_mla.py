@@ -26,6 +26,7 @@ from torch import nn
 from transformers import DeepseekV3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from dflash_batch.models.layers.linear import ParallelLMHead
 from dflash_batch.models.layers.rope import (
     apply_rope_interleaved, RotaryEmbedding, rope_from_config, yarn_softmax_mscale,
 )
@@ -185,7 +186,7 @@ def test_matches_fp64_reference_over_rounds(tmp_path, rope):
     block re-drafted) == the fp64 reference; each sequence alone == the batch."""
     path = save_checkpoint(tmp_path, mla_config(rope), mla_tensors())
     embed_w, head_w = target_weights()
-    embed, head = nn.Embedding.from_pretrained(embed_w), nn.Linear(HIDDEN, VOCAB, bias=False)
+    embed, head = nn.Embedding.from_pretrained(embed_w), ParallelLMHead(HIDDEN, VOCAB)
     head.weight.data.copy_(head_w)
     ours, ref = load_drafter(path, embed, head), Reference(path, embed_w, head_w)
     tables = scattered_tables(2)

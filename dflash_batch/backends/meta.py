@@ -74,6 +74,7 @@ class AttnMeta:
     page_size: int
     max_kv: int                 # host-side upper bound of kv_lens: how many key positions to read
     logits_rows: torch.Tensor   # [R] int64: rows whose logits (and samples) the engine needs
+    gather_logits: bool = True  # False: each rank returns its vocabulary slice (read by parallel.sharded_*)
     state_ids: torch.Tensor | None = None  # [bs] recurrent-state slot of each sequence
     stage: bool = False         # verify: stage recurrent states per row instead of updating them
     dense: bool = False         # every sequence has q_max rows, in order: q_index is arange

@@ -30,6 +30,7 @@ from types import SimpleNamespace
 
 import torch
 
+from dflash_batch import parallel
 from dflash_batch.backends.meta import AttentionBackend, AttnMeta
 from dflash_batch.engine.batch import DecodeBatch
 from dflash_batch.engine.sampling import (add_bias_, choose_tokens, hold_stops_, log_probs, mask_disallowed_,
@@ -86,33 +87,24 @@ class Round:
         B, b = self.block, batch
         ids = b.ids[:n]
         positions, verify = drafted
+        # Greedy rounds without logprobs read only each row's argmax: each tensor-parallel rank
+        # keeps its slice of the vocabulary and sends its best (3 values a row, not V / ranks).
+        verify.gather_logits = not (greedy and b.token_logprob is None)
         logits, taps = self.target(ids.reshape(-1), verify)
-        # A row whose logits are not finite fails alone (its sequence becomes an error row);
-        # checked before held stop ids are set to -inf.
-        finite = torch.isfinite(logits).all(-1).view(n, B).all(-1)
-        if b.token_logprob is not None:  # scored before any logit edit below
-            scores = log_probs(logits, b.temperature[:n].reshape(-1))
-            top = scores.topk(b.top_logprobs.shape[-1], dim=-1)
-            b.top_logprobs[:n] = top.values.view(n, B, -1)
-            b.top_logprob_ids[:n] = top.indices.view(n, B, -1)
-        if greedy:  # no row samples, biases or holds its stop ids (engine.py decides)
-            chosen = top1(logits)
+        if verify.gather_logits:
+            # A row whose logits are not finite fails alone (its sequence becomes an error row);
+            # checked before held stop ids are set to -inf.
+            finite = torch.isfinite(logits).all(-1)
+            if b.token_logprob is not None:  # scored before any logit edit below
+                scores = log_probs(logits, b.temperature[:n].reshape(-1))
+                top = scores.topk(b.top_logprobs.shape[-1], dim=-1)
+                b.top_logprobs[:n] = top.values.view(n, B, -1)
+                b.top_logprob_ids[:n] = top.indices.view(n, B, -1)
+            # greedy: no row samples, biases or holds its stop ids (engine.py decides)
+            chosen = top1(logits) if greedy else self.choose(batch, n, logits, positions, constrained)
         else:
-            def per_verify_row(t: torch.Tensor) -> torch.Tensor:  # [n, L] -> [n * B, L]
-                return t[:n, None, :].expand(n, B, -1).reshape(n * B, -1)
-
-            if b.bias is not None:
-                add_bias_(logits, per_verify_row(b.bias_ids), per_verify_row(b.bias))
-            if b.counts is not None:
-                penalize_(logits, b.counts[:n], b.in_prompt[:n], ids[:, 1:], b.repetition[:n], b.frequency[:n],
-                          b.presence[:n])
-            held = (positions + 1).view(n, B) < b.min_stop_pos[:n, None]
-            hold_stops_(logits, per_verify_row(b.stop_ids), held.reshape(-1))
-            if constrained:
-                mask_disallowed_(logits, b.allowed_bits[:n * B])
-            chosen = choose_tokens(logits, b.temperature[:n].reshape(-1), b.top_k[:n].reshape(-1),
-                                   b.top_p[:n].reshape(-1), b.seed[:n].reshape(-1), positions + 1,
-                                   self.ops.sample, b.min_p[:n].reshape(-1))
+            chosen, finite = parallel.sharded_top1(logits)
+        finite = finite.view(n, B).all(-1)
         if b.token_logprob is not None:
             b.token_logprob[:n] = scores.gather(-1, chosen[:, None]).view(n, B)
         accepted = self.ops.accept(ids, chosen.view(n, B), b.pos[:n], b.budget[:n], b.stop_ids[:n], b.out[:n])
@@ -126,3 +118,25 @@ class Round:
             # The verify left the recurrent state alone; it moves past the anchor and the
             # accepted drafts (the bonus is the next anchor, not yet fed).
             self.target.commit(b.state_slot[:n], accepted + 1)
+
+    def choose(self, b: DecodeBatch, n: int, logits: torch.Tensor, positions: torch.Tensor,
+               constrained: bool) -> torch.Tensor:
+        """Each verify row's token: its logit bias, penalties along the drafted path, held stop ids
+        and grammar mask applied (in place), then the seeded sample."""
+        B = self.block
+
+        def per_verify_row(t: torch.Tensor) -> torch.Tensor:  # [n, L] -> [n * B, L]
+            return t[:n, None, :].expand(n, B, -1).reshape(n * B, -1)
+
+        if b.bias is not None:
+            add_bias_(logits, per_verify_row(b.bias_ids), per_verify_row(b.bias))
+        if b.counts is not None:
+            penalize_(logits, b.counts[:n], b.in_prompt[:n], b.ids[:n, 1:], b.repetition[:n], b.frequency[:n],
+                      b.presence[:n])
+        held = (positions + 1).view(n, B) < b.min_stop_pos[:n, None]
+        hold_stops_(logits, per_verify_row(b.stop_ids), held.reshape(-1))
+        if constrained:
+            mask_disallowed_(logits, b.allowed_bits[:n * B])
+        return choose_tokens(logits, b.temperature[:n].reshape(-1), b.top_k[:n].reshape(-1),
+                             b.top_p[:n].reshape(-1), b.seed[:n].reshape(-1), positions + 1,
+                             self.ops.sample, b.min_p[:n].reshape(-1))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dflash_batch import parallel
 from dflash_batch.backends.meta import AttnMeta
 from dflash_batch.models.layers.dtypes import wide
 from dflash_batch.models.layers.linear import (
@@ -27,7 +28,6 @@ from dflash_batch.models.layers.linear import (
 from dflash_batch.models.layers.norm import RMSNorm
 from dflash_batch.models.layers.rope import apply_rope, apply_rope_interleaved, rope_from_config, yarn_softmax_mscale
 from dflash_batch.models.qwen3 import Qwen3MLP
-from kernels.sample import top1
 
 
 def draft_value(config: dict, key: str, default=None):
@@ -337,22 +337,25 @@ class DFlashDrafter(nn.Module):
             x = layer(x, cos, sin, meta, block_size)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = wide(self._target_io[1](hidden)) * self.output_multiplier
+    def compute_logits(self, hidden: torch.Tensor, gather: bool = True) -> torch.Tensor:
+        """The target's head on the drafter's rows; `gather` False: this rank's vocabulary slice
+        (the proposals read only each row's top few: parallel.sharded_*)."""
+        logits = wide(self._target_io[1](hidden, gather)) * self.output_multiplier
         if self.softcap > 0:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [bs, B, hidden] -> logits [bs, B-1, vocab] of the block's draft rows (as one 2-D
-        matmul: the strided 3-D view would go through a batched one, 2.5x slower on CPU)."""
+        """hidden [bs, B, hidden] -> this rank's vocabulary slice of the logits [bs, B-1, V / ranks]
+        of the block's draft rows (as one 2-D matmul: the strided 3-D view would go through a
+        batched one, 2.5x slower on CPU)."""
         rows = hidden[:, 1:].reshape(-1, hidden.shape[-1])
-        return self.compute_logits(rows).view(hidden.shape[0], hidden.shape[1] - 1, -1)
+        return self.compute_logits(rows, gather=False).view(hidden.shape[0], hidden.shape[1] - 1, -1)
 
     def propose(self, hidden: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
         """hidden [bs, B, hidden], anchor [bs] -> greedy drafts [bs, B-1] (row 0 is the anchor's own).
         v1 drafts each row independently; the anchor matters only to DFlash2's selector."""
-        return top1(self.draft_logits(hidden))
+        return parallel.sharded_top1(self.draft_logits(hidden))[0]
 
 
 class CandidateSelector(nn.Module):
@@ -368,8 +371,9 @@ class CandidateSelector(nn.Module):
         self.hidden_projection = ReplicatedLinear(config["hidden_size"], rank)
 
     def greedy_path(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
-        """hidden [bs, L, D], logits [bs, L, V], anchor [bs] -> tokens [bs, L]."""
-        unary, candidates = torch.topk(logits, self.top_k, dim=-1)                 # [bs, L, K]
+        """hidden [bs, L, D], logits [bs, L, V / ranks] (this rank's vocabulary slice), anchor [bs]
+        -> tokens [bs, L]."""
+        unary, candidates = parallel.sharded_topk(logits, self.top_k)              # [bs, L, K]
         # Fold the hidden projection into the successor side once: pair[l, c] = proj(h_l) * S[c].
         succ = self.hidden_projection(hidden)[:, :, None, :] * self.successor_codebook[candidates]
         prev, path = anchor, []

@@ -396,5 +396,5 @@ class KimiK3ForConditionalGeneration(nn.Module):
         h = attn_res_mix(prefix, blocks, m.output_attn_res_norm, m.output_attn_res_proj)
         if self.tap_stream == "attn_res" and len(layers) - 1 in self.tap_ids:
             taps.append(h)  # the output mix, before the final norm
-        logits = wide(self.lm_head(self.model.norm(h)[meta.logits_rows]))
+        logits = wide(self.lm_head(self.model.norm(h)[meta.logits_rows], meta.gather_logits))
         return logits, torch.cat(taps, dim=-1) if taps else None

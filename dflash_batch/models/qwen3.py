@@ -162,5 +162,5 @@ class Qwen3ForCausalLM(nn.Module):
         # those features, so a tap on the last layer takes the normed stream too.
         if self.tap_ids and self.tap_ids[-1] == len(self.model.layers) - 1:
             taps[-1] = h
-        logits = wide(self.lm_head(h[meta.logits_rows]))
+        logits = wide(self.lm_head(h[meta.logits_rows], meta.gather_logits))
         return logits, torch.cat(taps, dim=-1) if taps else None

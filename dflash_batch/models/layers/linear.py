@@ -112,11 +112,13 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(nn.Module):
-    """Vocab-parallel output projection; the full logits row is gathered on every rank."""
+    """Vocab-parallel output projection: the full logits row gathered on every rank, or (`gather`
+    False) this rank's slice, for a caller that only needs the row's top few (parallel.sharded_*)."""
 
     def __init__(self, dim: int, vocab_size: int):
         super().__init__()
         self.weight = new_param((per_rank(vocab_size, "vocab_size"), dim), 0)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return parallel.all_gather_last(F.linear(x, self.weight))
+    def forward(self, x: torch.Tensor, gather: bool = True) -> torch.Tensor:
+        logits = F.linear(x, self.weight)
+        return parallel.all_gather_last(logits) if gather else logits
