@@ -23,7 +23,7 @@ stage install 45 python -m pip install -q --no-index --no-deps .whl/*.whl
 # flashinfer compiles its kernels at first use (minutes): compile them in the background while
 # the Triton kernels are checked against their torch references.
 (stage warmup 200 python benchmarks/flashinfer_warmup.py > "$OUT/warmup.json") &
-stage kernels 150 python -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_moe.py tests/test_kernels_attn_res.py
+stage kernels 150 python -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_moe.py tests/test_kernels_attn_res.py tests/test_kernels_kda.py
 wait
 cat "$OUT/warmup.json"
 stage gpu_tests 120 python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py

@@ -7,6 +7,8 @@
     scatter.py  paged K/V and latent cache writes, slot -1 skipped
     attn_res.py Kimi-K3's block attention residual mix
     moe_mxfp4.py routed MoE experts (SiTU) straight from MXFP4 weights
+    kda.py      Kimi Delta Attention through flash-linear-attention's kernels (fla-core; its torch
+                twins are in dflash_batch/models/layers/kda.py, which picks them: `kda_kernels`)
 
 `ops(device)` picks the Triton versions on CUDA devices (when Triton is installed) and the torch
 references everywhere else; tests run the Triton versions on CPU under TRITON_INTERPRET=1.

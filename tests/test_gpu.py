@@ -2,7 +2,9 @@
 without flashinfer): flashinfer attention == the torch backend on the same caches and layouts
 (ragged prefill, causal verify, non-causal sliding draft); the torch backend on the GPU == on
 the CPU; a CUDA-graph round == the eager round, token for token and round for round; speculative
-greedy == target-only greedy under graphs. Run by benchmarks/gpu_check.sh."""
+greedy == target-only greedy under graphs; the same for the tiny Kimi-K3 + DFlash2-MLA pair through
+its GPU kernels (fla's KDA, the Triton MXFP4 MoE and AttnRes), and fla's chunked KDA == the torch
+form. Run by benchmarks/gpu_check.sh."""
 
 from __future__ import annotations
 
@@ -147,3 +149,67 @@ def test_speculative_greedy_equals_target_greedy_under_graphs(pair):
     plain = outcomes(engine, 9, speculation=False)
     assert {k: v[0] for k, v in spec.items()} == {k: v[0] for k, v in plain.items()}
 
+
+
+# -- Kimi-K3 + DFlash2-MLA: KDA through fla, Triton MXFP4 MoE and AttnRes, torch attention -------------
+needs_fla = pytest.mark.skipif(not (CUDA and importlib.util.find_spec("fla") is not None), reason="needs fla-core")
+
+
+@needs_fla
+@pytest.mark.parametrize("T", [1, 100, 1000])
+def test_kda_chunked_kernel_equals_torch(T):
+    """fla's chunk_kda (prefill) in our layouts == the torch chunked form in float64, at Kimi-K3's
+    head size; chunk_kda's dots may run in TF32, hence the looser bound."""
+    import kernels.kda
+    from dflash_batch.models.layers.kda import kda_chunked, l2norm
+
+    g = torch.Generator().manual_seed(T)
+    H, d = 4, 128
+    q, k = (l2norm(torch.randn(T, H, d, generator=g)) for _ in range(2))
+    v = torch.randn(T, H, d, generator=g)
+    gate, beta, state = -5 * torch.rand(T, H, d, generator=g), torch.rand(T, H, generator=g), torch.randn(H, d, d)
+    want_o, want_S = kda_chunked(*(x.double() for x in (q, k, v, gate, beta, state)))
+    o, S = kernels.kda.chunked(*(x.cuda() for x in (q, k, v, gate, beta, state)))
+    torch.testing.assert_close(o.cpu().double(), want_o, atol=3e-3 * want_o.abs().max().item(), rtol=0)
+    torch.testing.assert_close(S.cpu().double(), want_S, atol=3e-3 * want_S.abs().max().item(), rtol=0)
+
+
+@pytest.fixture(scope="module")
+def kimi(tmp_path_factory):
+    from dflash_batch.testing.kimi_pair import make_kimi_pair
+
+    return make_kimi_pair(tmp_path_factory.mktemp("kimi_pair"))
+
+
+def kimi_outcomes(engine: Engine, n: int = 9, speculation: bool = True, **sampling) -> dict:
+    reqs = [Request((str(i), 0), p, SamplingParams(max_new_tokens=5 + 7 * (i % 5), seed=40 + i, **sampling))
+            for i, p in enumerate(prompts(n))]
+    b = Bucket(0, "0-256", 256, 6, speculation, None)
+    return {c.key: (c.token_ids, c.spec.per_round if c.spec else None) for c in engine.generate(reqs, b)}
+
+
+@needs_fla
+def test_kimi_on_gpu_matches_cpu(kimi):
+    """Every GPU kernel of the pair (fla KDA, Triton MoE and AttnRes) against the CPU's torch path:
+    the same tokens and accepted drafts (the tiny pair's head is peaked: argmaxes have margins)."""
+    cpu = kimi_outcomes(Engine(*load(kimi, "cpu")))
+    gpu = kimi_outcomes(Engine(*load(kimi, "cuda"), device="cuda"))
+    assert gpu == cpu
+
+
+@needs_fla
+@pytest.mark.parametrize("sampling", [dict(), dict(temperature=1.0, top_p=0.9)], ids=["greedy", "sampled"])
+def test_kimi_cuda_graphs_equal_eager(kimi, sampling):
+    models = load(kimi, "cuda")
+    eager = kimi_outcomes(Engine(*models, device="cuda"), **sampling)
+    graphs = kimi_outcomes(Engine(*models, device="cuda", cuda_graphs=True, capture_sizes=[1, 2, 4, 8]), **sampling)
+    assert graphs == eager
+    assert any(n for _, rounds in eager.values() for n in rounds), "no draft accepted"
+
+
+@needs_fla
+def test_kimi_speculative_greedy_equals_target_greedy_under_graphs(kimi):
+    engine = Engine(*load(kimi, "cuda"), device="cuda", cuda_graphs=True, capture_sizes=[1, 2, 4, 8])
+    spec = kimi_outcomes(engine)
+    plain = kimi_outcomes(engine, speculation=False)
+    assert {k: v[0] for k, v in spec.items()} == {k: v[0] for k, v in plain.items()}

@@ -11,9 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kernels.kda
 from dflash_batch.engine.cache import SeqRows, build_meta
+from dflash_batch.models import kimi_k3
+from dflash_batch.models.layers.kda import kda_chunked
 from dflash_batch.models.loader import load_model
 from tests.kimi_reference import reference_forward
+from kernels import _triton
 from tests.numerics import assert_close
 from dflash_batch.testing.kimi import make_kimi_checkpoint
 
@@ -86,10 +90,26 @@ def test_chunked_prefill_equals_one_shot(checkpoint, chunk, dtype):
     assert_close(torch.cat(got_taps), want_taps)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
-def test_verify_then_commit_equals_token_by_token(checkpoint, dtype):
+# The verify and replay-commit tests run again with the recurrent KDA through fla's Triton kernel
+# (kernels/kda.py; on the CPU under TRITON_INTERPRET=1): float32 only, as on the GPU.
+KDA_PATHS = [pytest.param((torch.float64, "torch"), id="f64"), pytest.param((torch.float32, "torch"), id="f32"),
+             pytest.param((torch.float32, "fla"), id="f32-fla", marks=pytest.mark.skipif(
+                 not (kernels.kda.available() and _triton.available()), reason="fla-core or Triton is not installed"))]
+
+
+@pytest.fixture(params=KDA_PATHS)
+def kda_path(request, monkeypatch) -> torch.dtype:
+    """The dtype of the case; with "fla", the model's recurrent KDA is fla's kernel."""
+    dtype, path = request.param
+    if path == "fla":
+        monkeypatch.setattr(kimi_k3, "kda_kernels", lambda state: (kernels.kda.recurrent, kda_chunked))
+    return dtype
+
+
+def test_verify_then_commit_equals_token_by_token(checkpoint, kda_path):
     """For every accepted length n: verify 8 rows from the committed state, commit n, then the
     next forward sees exactly the state that feeding the n tokens one at a time leaves."""
+    dtype = kda_path
     ref = load(checkpoint, dtype=dtype)
     ids = prompt(30, ref.vocab_size, seed=2)
     block = prompt(8, ref.vocab_size, seed=3)
@@ -133,11 +153,11 @@ def staged_states(layer, x: torch.Tensor, rows: torch.Tensor, slot: int) -> list
     return out
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["f64", "f32"])
-def test_replay_commit_equals_the_staged_states(checkpoint, dtype):
+def test_replay_commit_equals_the_staged_states(checkpoint, kda_path):
     """Two sequences verify 8 rows at once; for every pair of accepted lengths the replayed
     commit leaves each KDA layer's state and conv window the staged commit kept for that row:
     to the bit in float64, to float32 rounding in float32."""
+    dtype = kda_path
     model = load_model(checkpoint, dtype)
     model.allocate_cache(len(PAGES) * PAGE, dtype, "cpu")
     model.allocate_state(3, 2, 8, "cpu")

@@ -21,7 +21,7 @@ from kernels.moe_mxfp4 import routed_sum, situ
 from dflash_batch import parallel
 from dflash_batch.backends.meta import AttnMeta
 from dflash_batch.models.layers.dtypes import wide, wide_dtype
-from dflash_batch.models.layers.kda import kda_chunked, kda_gate, kda_recurrent, l2norm, short_conv
+from dflash_batch.models.layers.kda import kda_gate, kda_kernels, l2norm, short_conv
 from dflash_batch.models.layers.linear import (
     ColumnParallelLinear, ParallelLMHead, ReplicatedLinear, RowParallelLinear, VocabParallelEmbedding,
     new_param, per_rank,
@@ -213,18 +213,27 @@ class KDA(nn.Module):
         raw = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(T, H, d), self.A_log, self.dt_bias, self.lower_bound)
         beta = torch.sigmoid(wide(self.b_proj(x)))
-        out = x.new_zeros(T, H, d, dtype=wide_dtype(x.dtype))
-        for b, slot in enumerate(meta.state_ids.tolist()):
-            rows = meta.q_index[b][meta.q_index[b] < T]
-            q, k, v, conv_out = self._qkv(raw[rows], self.conv_state[slot])
-            if meta.stage:
-                # Verify: read from the committed state and leave it alone; keep each row's raw
-                # inputs so that commit can replay the accepted ones (d*d floats a row saved).
-                out[rows], _ = kda_recurrent(q, k, v, g[rows], beta[rows], self.state[slot])
-                n = len(rows)
-                self.staged_raw[b, :n], self.staged_g[b, :n], self.staged_beta[b, :n] = raw[rows], g[rows], beta[rows]
-            else:
-                out[rows], self.state[slot] = kda_chunked(q, k, v, g[rows], beta[rows], self.state[slot])
+        recurrent, chunked = kda_kernels(self.state)
+        if meta.stage:
+            # Verify: every sequence has the same rows, in order (a round's dense layout), read
+            # from the committed state, which stays as it is; each row's raw inputs are kept so
+            # that commit can replay the accepted ones (d*d floats a row saved). No host sync:
+            # a round is captured as one graph.
+            if not meta.dense:
+                raise ValueError(f"forward {meta.name!r} stages KDA rows but its sequences' rows are not dense")
+            n, ids = meta.state_ids.shape[0], meta.state_ids
+            raw, g, beta = raw.view(n, -1, raw.shape[-1]), g.view(n, -1, H, d), beta.view(n, -1, H)
+            q, k, v, _ = self._qkv(raw, self.conv_state[ids])
+            out, _ = recurrent(q, k, v, g, beta, self.state[ids])
+            out = out.reshape(T, H, d)
+            rows = raw.shape[1]
+            self.staged_raw[:n, :rows], self.staged_g[:n, :rows], self.staged_beta[:n, :rows] = raw, g, beta
+        else:  # prefill chunks: each sequence's rows through the chunked form, state updated
+            out = x.new_zeros(T, H, d, dtype=wide_dtype(x.dtype))
+            for b, slot in enumerate(meta.state_ids.tolist()):
+                rows = meta.q_index[b][meta.q_index[b] < T]
+                q, k, v, conv_out = self._qkv(raw[rows], self.conv_state[slot])
+                out[rows], self.state[slot] = chunked(q, k, v, g[rows], beta[rows], self.state[slot])
                 self.conv_state[slot] = conv_out
         o = rms_norm(out, wide(self.o_norm.weight), self.o_norm.eps)
         o = o * torch.sigmoid(wide(self.g_proj(x))).view(T, H, d)
@@ -232,16 +241,18 @@ class KDA(nn.Module):
 
     def commit(self, state_ids: torch.Tensor, kept: torch.Tensor) -> None:
         """After a verify: sequence b's committed state advances over its first kept[b] rows,
-        replayed from their raw inputs, all sequences at once (no host sync: graph-safe)."""
+        replayed from their raw inputs, all sequences at once (no host sync: graph-safe). A row
+        past kept[b] replays with no decay (g = 0) and no write (beta = 0): the state passes it
+        unchanged, so one recurrent pass over every row serves every accepted length."""
         n, rows = len(state_ids), self.staged_raw.shape[1]
         raw, conv = self.staged_raw[:n], self.conv_state[state_ids]
         q, k, v, _ = self._qkv(raw, conv)
-        S = self.state[state_ids]
-        for j in range(rows):  # a row past kept[b] leaves sequence b's state as it is
-            _, after = kda_recurrent(q[:, j:j + 1], k[:, j:j + 1], v[:, j:j + 1], self.staged_g[:n, j:j + 1],
-                                     self.staged_beta[:n, j:j + 1], S)
-            S = torch.where((j < kept).view(n, 1, 1, 1), after, S)
-        self.state[state_ids] = S
+        live = torch.arange(rows, device=kept.device) < kept[:, None]  # [n, rows]
+        g = torch.where(live[:, :, None, None], self.staged_g[:n], 0)
+        beta = torch.where(live[:, :, None], self.staged_beta[:n], 0)
+        recurrent, _ = kda_kernels(self.state)
+        _, after = recurrent(q, k, v, g, beta, self.state[state_ids])
+        self.state[state_ids] = after
         # The conv window after kept[b] rows: the last kernel-1 raw inputs up to there.
         window = torch.cat([conv, raw.transpose(1, 2).to(conv.dtype)], dim=-1)  # [n, C, kernel-1+rows]
         index = kept.view(n, 1, 1) + torch.arange(self.kernel - 1, device=kept.device)

@@ -17,9 +17,12 @@ Math runs in float32 (float64 inputs stay float64, for exactness tests).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
+import kernels.kda
 from dflash_batch.models.layers.dtypes import wide
 
 
@@ -122,3 +125,15 @@ def kda_chunked(
         G_last = G[..., -1:, :]
         S = G_last.exp().transpose(-1, -2) * S + (kc * (G_last - G).exp()).transpose(-1, -2) @ u
     return torch.cat(out, dim=-2).transpose(-3, -2), S
+
+
+KDAFunction = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def kda_kernels(state: torch.Tensor) -> tuple[KDAFunction, KDAFunction]:
+    """(recurrent, chunked) for a state pool like `state`: flash-linear-attention's Triton kernels
+    (kernels/kda.py) on CUDA when fla is installed and the state is float32, the torch functions
+    here otherwise (float64 models: the exactness tests)."""
+    if state.is_cuda and state.dtype == torch.float32 and kernels.kda.available():
+        return kernels.kda.recurrent, kernels.kda.chunked
+    return kda_recurrent, kda_chunked
