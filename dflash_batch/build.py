@@ -18,11 +18,10 @@ from dflash_batch.job import AutoSpeculationSpec, Job, JobError
 from dflash_batch.models.dflash import draft_value
 from dflash_batch.models.loader import load_config, load_model
 from dflash_batch.plan.tokenize import Tokenizer
+from kernels import _triton
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
-# Targets whose forward reads nothing on the host and runs on every backend: the rounds of
-# these (with any DFlash drafter) can be captured as CUDA graphs or compiled.
-STATIC_TARGETS = ("Qwen3ForCausalLM",)
+QWEN3, KIMI_K3 = "Qwen3ForCausalLM", "KimiK3ForConditionalGeneration"
 
 
 @dataclass(frozen=True)
@@ -49,6 +48,7 @@ class _Checkpoint:
     head_dim: int | None
     window: int | None        # a drafter's sliding window
     block: int | None         # a drafter's block size
+    packed_experts: bool      # routed experts stored as MXFP4 (compressed-tensors)
 
     @classmethod
     def read(cls, path: str, role: str) -> _Checkpoint:
@@ -59,14 +59,31 @@ class _Checkpoint:
         text = config.get("text_config", config)
         heads = text.get("num_attention_heads")
         head_dim = text.get("head_dim") or (text["hidden_size"] // heads if heads and "hidden_size" in text else None)
+        quant = config.get("quantization_config") or {}
         return cls((config.get("architectures") or ["?"])[0], draft_value(text, "attention_mode", "gqa"), head_dim,
                    text.get("sliding_window") if text.get("layer_types") else None,
-                   draft_value(text, "block_size"))
+                   draft_value(text, "block_size"), quant.get("quant_method") == "compressed-tensors")
+
+
+def _why_host_reads(target: _Checkpoint, device: str) -> str | None:
+    """Why the target's decode round would read tensor values on the host on `device` (None: it
+    reads none, tests/test_round_host_reads.py, so it can be captured as CUDA graphs or compiled;
+    any DFlash drafter reads none)."""
+    if target.architecture == QWEN3:
+        return None
+    if target.architecture != KIMI_K3:
+        return f"{target.architecture} reads lengths on the host inside its forward"
+    if not target.packed_experts:
+        return "Kimi-K3's routed experts, stored unpacked (not MXFP4), are grouped by expert on the host"
+    if device != "cuda" or not _triton.available():
+        return ("Kimi-K3's MXFP4 experts are grouped by expert on the host by the torch path (the Triton "
+                "kernel, on CUDA, groups them on the device)")
+    return None
 
 
 def _why_not_flashinfer(job: Job, target: _Checkpoint, drafter: _Checkpoint | None) -> str | None:
     """Why flashinfer cannot run this pair (None: it can)."""
-    if target.architecture not in STATIC_TARGETS or (drafter and drafter.attention != "gqa"):
+    if target.architecture != QWEN3 or (drafter and drafter.attention != "gqa"):
         return (f"it runs GQA attention only, and {target.architecture} with a "
                 f"{drafter.attention if drafter else 'no'} drafter is not that (it runs on the torch backend "
                 "until the MLA path lands)")
@@ -90,8 +107,6 @@ def resolve_engine(job: Job, cuda: bool | None = None, flashinfer: bool | None =
     e, tp = job.engine, job.model.tensor_parallel_size
     target_ckpt = _Checkpoint.read(job.model.target, "target")
     drafter_ckpt = _Checkpoint.read(job.model.drafter, "drafter") if job.model.drafter else None
-    target = target_ckpt.architecture
-    static = target in STATIC_TARGETS
 
     why_not_flashinfer = (
         "it needs a CUDA device and this host has none" if not cuda else
@@ -103,18 +118,17 @@ def resolve_engine(job: Job, cuda: bool | None = None, flashinfer: bool | None =
     # backend: torch is the CPU reference path, even on a CUDA host.
     device = "cuda" if cuda and e.backend != "torch" else "cpu"
 
+    host_reads = _why_host_reads(target_ckpt, device)
     why_no_graphs = (
         "they need a CUDA device (this host has none, or engine.backend is torch)" if device != "cuda" else
-        f"{target} reads lengths on the host inside its forward" if not static else
-        "tensor_parallel_size > 1 is not captured yet" if tp > 1 else None)
+        host_reads or ("tensor_parallel_size > 1 is not captured yet" if tp > 1 else None))
     if e.cuda_graphs and why_no_graphs:
         raise JobError(f"engine.cuda_graphs: true cannot take effect: {why_no_graphs}")
     graphs = why_no_graphs is None if e.cuda_graphs is None else e.cuda_graphs
 
     why_no_compile = (
         "compilation is the CPU path (on a GPU the round runs under CUDA graphs)" if device != "cpu" else
-        f"{target} reads lengths on the host inside its forward" if not static else
-        "tensor_parallel_size > 1 is not compiled yet" if tp > 1 else None)
+        host_reads or ("tensor_parallel_size > 1 is not compiled yet" if tp > 1 else None))
     if e.compile and why_no_compile:
         raise JobError(f"engine.compile: true cannot take effect: {why_no_compile}")
     compiled = why_no_compile is None if e.compile is None else e.compile

@@ -18,11 +18,13 @@ CPU, GPU, GPU_NO_FLASHINFER = dict(cuda=False, flashinfer=False), dict(cuda=True
 
 @pytest.fixture()
 def checkpoints(tmp_path):
-    """config.json of a Qwen3 target, a Kimi-K3 target, GQA drafters (one with 32-wide heads,
+    """config.json of a Qwen3 target, Kimi-K3 targets (experts unpacked and MXFP4), GQA drafters (one with 32-wide heads,
     one whose sliding window is shorter than its block) and an MLA drafter."""
     gqa = {"architectures": ["DFlashDraftModel"], "head_dim": 128, "dflash_config": {"block_size": 8}}
     configs = {"qwen3": {"architectures": ["Qwen3ForCausalLM"], "head_dim": 128},
                "kimi": {"architectures": ["KimiK3ForConditionalGeneration"], "text_config": {}},
+               "kimi_mxfp4": {"architectures": ["KimiK3ForConditionalGeneration"], "text_config": {},
+                              "quantization_config": {"quant_method": "compressed-tensors"}},
                "gqa": gqa, "gqa32": {**gqa, "head_dim": 32},
                "short_window": {**gqa, "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"]},
                "mla": {"architectures": ["DFlash2DraftModel"], "dflash_config": {"attention_mode": "mla"}}}
@@ -44,8 +46,9 @@ def job(checkpoints, target="qwen3", drafter="gqa", tp=1, dtype="bfloat16", **en
 def test_defaults_on_a_cpu_host(checkpoints):
     setup = resolve_engine(job(checkpoints), **CPU)
     assert (setup.device, setup.backend, setup.cuda_graphs, setup.compile) == ("cpu", "torch", False, True)
-    kimi = resolve_engine(job(checkpoints, "kimi", "mla"), **CPU)
-    assert (kimi.backend, kimi.compile) == ("torch", False)  # KDA reads lengths on the host
+    for target in ("kimi", "kimi_mxfp4"):  # the torch MoE groups rows by expert on the host
+        kimi = resolve_engine(job(checkpoints, target, "mla"), **CPU)
+        assert (kimi.backend, kimi.compile) == ("torch", False)
     assert resolve_engine(job(checkpoints, tp=2), **CPU).compile is False
 
 
@@ -56,6 +59,9 @@ def test_defaults_on_a_gpu_host(checkpoints):
     assert resolve_engine(job(checkpoints), **GPU_NO_FLASHINFER).backend == "torch"
     kimi = resolve_engine(job(checkpoints, "kimi", "mla"), **GPU)
     assert (kimi.device, kimi.backend, kimi.cuda_graphs) == ("cuda", "torch", False)
+    # MXFP4 experts through the Triton MoE: the round reads nothing on the host, so it is captured
+    kimi = resolve_engine(job(checkpoints, "kimi_mxfp4", "mla"), **GPU)
+    assert (kimi.device, kimi.backend, kimi.cuda_graphs, kimi.capture_sizes) == ("cuda", "torch", True, [1, 2, 4, 8, 12])
     # backend: torch is the CPU reference path, even here
     assert resolve_engine(job(checkpoints, backend="torch"), **GPU).device == "cpu"
 
@@ -68,16 +74,17 @@ def test_defaults_on_a_gpu_host(checkpoints):
     (GPU, "qwen3", "gqa32", dict(backend="flashinfer"), 1, r"head_dim 64, 128 or 256, not \[32\]"),
     (GPU, "qwen3", "short_window", dict(backend="flashinfer"), 1, r"sliding window \(6\) is shorter than its block"),
     (CPU, "qwen3", "gqa", dict(cuda_graphs=True), 1, "cuda_graphs: true cannot take effect: they need a CUDA"),
-    (GPU, "kimi", "mla", dict(cuda_graphs=True), 1, "reads lengths on the host"),
+    (GPU, "kimi", "mla", dict(cuda_graphs=True), 1, "stored unpacked .* grouped by expert on the host"),
     (GPU, "qwen3", "gqa", dict(cuda_graphs=True), 2, "tensor_parallel_size > 1"),
     (GPU, "qwen3", "gqa", dict(compile=True), 1, "compile: true cannot take effect: compilation is the CPU path"),
-    (CPU, "kimi", None, dict(compile=True), 1, "reads lengths on the host"),
+    (CPU, "kimi_mxfp4", None, dict(compile=True), 1, "grouped by expert on the host by the torch path"),
+    (GPU, "kimi_mxfp4", "mla", dict(cuda_graphs=True), 2, "tensor_parallel_size > 1"),
     (CPU, "qwen3", "gqa", dict(compile=True), 2, "tensor_parallel_size > 1 is not compiled"),
     (CPU, "qwen3", "gqa", dict(cudagraph_capture_sizes=[1, 2]), 1, "capture_sizes is set but CUDA graphs are off"),
     (GPU, "qwen3", "gqa", dict(cudagraph_capture_sizes=[1, 2, 4]), 1, "must reach every bucket's max_num_seqs"),
 ], ids=["flashinfer_cpu", "flashinfer_missing", "flashinfer_kimi", "flashinfer_mla", "flashinfer_head32",
         "flashinfer_short_window", "graphs_cpu", "graphs_kimi",
-        "graphs_tp", "compile_gpu", "compile_kimi", "compile_tp", "sizes_without_graphs", "sizes_short"])
+        "graphs_tp", "compile_gpu", "compile_kimi", "graphs_kimi_tp", "compile_tp", "sizes_without_graphs", "sizes_short"])
 def test_settings_that_cannot_take_effect_are_refused(checkpoints, host, target, drafter, engine, tp, reason):
     with pytest.raises(JobError, match=reason):
         resolve_engine(job(checkpoints, target, drafter, tp, **engine), **host)
