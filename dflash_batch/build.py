@@ -49,6 +49,8 @@ class _Checkpoint:
     window: int | None        # a drafter's sliding window
     block: int | None         # a drafter's block size
     packed_experts: bool      # routed experts stored as MXFP4 (compressed-tensors)
+    latent: tuple[int | None, int | None]  # an MLA model's (kv_lora_rank, qk_rope_head_dim)
+    causal: bool              # a drafter's block attends causally
 
     @classmethod
     def read(cls, path: str, role: str) -> _Checkpoint:
@@ -62,7 +64,12 @@ class _Checkpoint:
         quant = config.get("quantization_config") or {}
         return cls((config.get("architectures") or ["?"])[0], draft_value(text, "attention_mode", "gqa"), head_dim,
                    text.get("sliding_window") if text.get("layer_types") else None,
-                   draft_value(text, "block_size"), quant.get("quant_method") == "compressed-tensors")
+                   draft_value(text, "block_size"), quant.get("quant_method") == "compressed-tensors",
+                   (text.get("kv_lora_rank"), text.get("qk_rope_head_dim")), bool(text.get("is_causal")))
+
+    @property
+    def mla(self) -> bool:
+        return self.architecture == KIMI_K3 or self.attention == "mla"
 
 
 def _why_host_reads(target: _Checkpoint, device: str) -> str | None:
@@ -83,19 +90,24 @@ def _why_host_reads(target: _Checkpoint, device: str) -> str | None:
 
 def _why_not_flashinfer(job: Job, target: _Checkpoint, drafter: _Checkpoint | None) -> str | None:
     """Why flashinfer cannot run this pair (None: it can)."""
-    if target.architecture != QWEN3 or (drafter and drafter.attention != "gqa"):
-        return (f"it runs GQA attention only, and {target.architecture} with a "
-                f"{drafter.attention if drafter else 'no'} drafter is not that (it runs on the torch backend "
-                "until the MLA path lands)")
+    if target.architecture not in (QWEN3, KIMI_K3):
+        return f"it runs Qwen3 and Kimi-K3 targets, not {target.architecture}"
     if job.model.dtype in ("float32", "float64"):
         return "its kernels are half precision (set model.dtype: bfloat16 or float16)"
-    dims = {c.head_dim for c in (target, drafter) if c}
+    models = [c for c in (target, drafter) if c]
+    dims = {c.head_dim for c in models if not c.mla}
     if not dims <= {64, 128, 256}:
-        return f"its kernels take head_dim 64, 128 or 256, not {sorted(dims - {64, 128, 256})}"
+        return f"its GQA kernels take head_dim 64, 128 or 256, not {sorted(dims - {64, 128, 256})}"
+    latents = {c.latent for c in models if c.mla}
+    if not latents <= {(512, 64)}:
+        other = sorted(latents - {(512, 64)}, key=str)
+        return f"its MLA kernels take a 512 + 64 latent (kv_lora_rank + qk_rope_head_dim), not {other}"
     blocks = [b.block_size or (drafter.block if drafter else 1) for b in job.resolved_buckets() if b.speculation]
     if drafter and drafter.window and blocks and drafter.window < max(blocks):
         return (f"the drafter's sliding window ({drafter.window}) is shorter than its block ({max(blocks)}): "
                 "flashinfer's window has no right-hand bound inside a non-causal block")
+    if drafter and drafter.mla and drafter.window and drafter.causal:
+        return "its MLA path takes the drafter's sliding layers non-causal (TokenSpeed's DFlash2), not causal"
     return None
 
 
@@ -153,11 +165,13 @@ def _load(path: str, dtype: torch.dtype, device: str, role: str):
         raise JobError(f"model.{role} {path}: {e}") from None
 
 
-def _attention(setup: EngineSetup):
+def _attention(setup: EngineSetup, job: Job):
     if setup.backend == "flashinfer":
         from dflash_batch.backends.flashinfer_attention import FlashInferAttention
 
-        return FlashInferAttention(setup.device)
+        # Its MLA path reads the drafter's sliding layers from rings, its GQA path whole caches.
+        drafter = _Checkpoint.read(job.model.drafter, "drafter") if job.model.drafter else None
+        return FlashInferAttention(setup.device, rings=bool(drafter and drafter.mla))
     from dflash_batch.backends.torch_attention import TORCH
 
     return TORCH
@@ -185,7 +199,7 @@ def build_engine(job: Job, tokenizer: Tokenizer, setup: EngineSetup | None = Non
     auto = job.engine.auto_speculation or AutoSpeculationSpec()
     return Engine(target, drafter, tokenizer.decode, page_size=job.engine.page_size,
                   max_num_batched_tokens=job.engine.max_num_batched_tokens, dtype=dtype, device=setup.device,
-                  attention=_attention(setup), capture_sizes=setup.capture_sizes, cuda_graphs=setup.cuda_graphs,
+                  attention=_attention(setup, job), capture_sizes=setup.capture_sizes, cuda_graphs=setup.cuda_graphs,
                   compile=setup.compile, share_prompts=job.engine.share_prompts, log=say,
                   auto_speculation=(auto.min_acc_len, auto.rounds))
 

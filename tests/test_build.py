@@ -18,16 +18,26 @@ CPU, GPU, GPU_NO_FLASHINFER = dict(cuda=False, flashinfer=False), dict(cuda=True
 
 @pytest.fixture()
 def checkpoints(tmp_path):
-    """config.json of a Qwen3 target, Kimi-K3 targets (experts unpacked and MXFP4), GQA drafters (one with 32-wide heads,
-    one whose sliding window is shorter than its block) and an MLA drafter."""
+    """config.json of a Qwen3 target, Kimi-K3 targets (experts unpacked and MXFP4; tiny and
+    production MLA latents), GQA drafters (one with 32-wide heads,
+    one whose sliding window is shorter than its block) and MLA drafters (tiny, production
+    width, causal)."""
     gqa = {"architectures": ["DFlashDraftModel"], "head_dim": 128, "dflash_config": {"block_size": 8}}
+    mla = {"architectures": ["DFlash2DraftModel"], "dflash_config": {"attention_mode": "mla", "block_size": 8}}
     configs = {"qwen3": {"architectures": ["Qwen3ForCausalLM"], "head_dim": 128},
                "kimi": {"architectures": ["KimiK3ForConditionalGeneration"], "text_config": {}},
                "kimi_mxfp4": {"architectures": ["KimiK3ForConditionalGeneration"], "text_config": {},
                               "quantization_config": {"quant_method": "compressed-tensors"}},
                "gqa": gqa, "gqa32": {**gqa, "head_dim": 32},
                "short_window": {**gqa, "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"]},
-               "mla": {"architectures": ["DFlash2DraftModel"], "dflash_config": {"attention_mode": "mla"}}}
+               "mla": mla,
+               "kimi_real": {"architectures": ["KimiK3ForConditionalGeneration"],
+                             "quantization_config": {"quant_method": "compressed-tensors"},
+                             "text_config": {"kv_lora_rank": 512, "qk_rope_head_dim": 64}},
+               "mla_real": {**mla, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "sliding_window": 4096,
+                            "layer_types": ["sliding_attention", "full_attention"]},
+               "mla_causal": {**mla, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "sliding_window": 4096,
+                              "layer_types": ["sliding_attention", "full_attention"], "is_causal": True}}
     for name, config in configs.items():
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps(config))
@@ -69,8 +79,9 @@ def test_defaults_on_a_gpu_host(checkpoints):
 @pytest.mark.parametrize("host, target, drafter, engine, tp, reason", [
     (CPU, "qwen3", "gqa", dict(backend="flashinfer"), 1, "needs a CUDA device"),
     (GPU_NO_FLASHINFER, "qwen3", "gqa", dict(backend="flashinfer"), 1, "flashinfer is not installed"),
-    (GPU, "kimi", None, dict(backend="flashinfer"), 1, "GQA attention only"),
-    (GPU, "qwen3", "mla", dict(backend="flashinfer"), 1, "GQA attention only"),
+    (GPU, "kimi", None, dict(backend="flashinfer"), 1, r"512 \+ 64 latent .* not \[\(None, None\)\]"),
+    (GPU, "qwen3", "mla", dict(backend="flashinfer"), 1, "512 \\+ 64 latent"),
+    (GPU, "kimi_real", "mla_causal", dict(backend="flashinfer"), 1, "non-causal"),
     (GPU, "qwen3", "gqa32", dict(backend="flashinfer"), 1, r"head_dim 64, 128 or 256, not \[32\]"),
     (GPU, "qwen3", "short_window", dict(backend="flashinfer"), 1, r"sliding window \(6\) is shorter than its block"),
     (CPU, "qwen3", "gqa", dict(cuda_graphs=True), 1, "cuda_graphs: true cannot take effect: they need a CUDA"),
@@ -82,12 +93,18 @@ def test_defaults_on_a_gpu_host(checkpoints):
     (CPU, "qwen3", "gqa", dict(compile=True), 2, "tensor_parallel_size > 1 is not compiled"),
     (CPU, "qwen3", "gqa", dict(cudagraph_capture_sizes=[1, 2]), 1, "capture_sizes is set but CUDA graphs are off"),
     (GPU, "qwen3", "gqa", dict(cudagraph_capture_sizes=[1, 2, 4]), 1, "must reach every bucket's max_num_seqs"),
-], ids=["flashinfer_cpu", "flashinfer_missing", "flashinfer_kimi", "flashinfer_mla", "flashinfer_head32",
+], ids=["flashinfer_cpu", "flashinfer_missing", "flashinfer_kimi", "flashinfer_mla", "flashinfer_causal_mla",
+        "flashinfer_head32",
         "flashinfer_short_window", "graphs_cpu", "graphs_kimi",
         "graphs_tp", "compile_gpu", "compile_kimi", "graphs_kimi_tp", "compile_tp", "sizes_without_graphs", "sizes_short"])
 def test_settings_that_cannot_take_effect_are_refused(checkpoints, host, target, drafter, engine, tp, reason):
     with pytest.raises(JobError, match=reason):
         resolve_engine(job(checkpoints, target, drafter, tp, **engine), **host)
+
+
+def test_flashinfer_runs_kimi_k3_and_its_mla_drafter(checkpoints):
+    setup = resolve_engine(job(checkpoints, "kimi_real", "mla_real"), **GPU)
+    assert (setup.device, setup.backend, setup.cuda_graphs) == ("cuda", "flashinfer", True)
 
 
 def test_flashinfer_wants_half_precision(checkpoints):

@@ -96,6 +96,31 @@ def test_flashinfer_attention_matches_torch(causal, window, rows):
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
 
+@needs_flashinfer
+@pytest.mark.parametrize("seqs, causal, window", [
+    ([(37, 0), (1, 70), (9, 100), (8, 5)], True, None),   # ragged prefill chunks and a verify
+    ([(8, 0), (8, 70), (8, 13), (8, 31)], False, None),   # the drafter's full layer
+    ([(8, 3), (8, 70), (8, 13), (8, 29)], False, 21),     # a sliding layer: window and edge strip
+], ids=["prefill_causal", "draft_full", "draft_window"])
+def test_flashinfer_latent_matches_torch(seqs, causal, window):
+    """Absorbed MLA at Kimi-K3's latent (512 + 64, 16 heads), bf16, through flashinfer's MLA
+    wrapper == the torch backend on the same cache (tests/test_flashinfer_latent.py checks the
+    same cases on the CPU with the wrapper emulated)."""
+    from dflash_batch.backends.flashinfer_attention import FlashInferAttention
+    from tests.test_flashinfer_latent import scattered_meta
+
+    page, g = 16, torch.Generator(device="cuda").manual_seed(len(seqs))
+    meta = scattered_meta(seqs, page, "cuda")
+    cache = torch.randn(64 * page, 1, 576, generator=g, device="cuda").to(torch.bfloat16)
+    q = torch.randn(meta.num_rows, 16, 576, generator=g, device="cuda").to(torch.bfloat16)
+    fi = FlashInferAttention("cuda")
+    fi.plan(meta)
+    got = fi.attend_latent(q, cache, 512, meta, 192 ** -0.5, causal, window).float()
+    meta.backend = TORCH
+    want = TORCH.attend_latent(q.float(), cache.float(), 512, meta, 192 ** -0.5, causal, window)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
 # -- engines ---------------------------------------------------------------------------------------
 def test_torch_backend_on_gpu_matches_cpu(pair):
     cpu = outcomes(Engine(*load(pair, "cpu")), 7)

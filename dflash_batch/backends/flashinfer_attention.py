@@ -1,99 +1,166 @@
-"""Paged GQA attention through flashinfer on the GPU: every forward (prefill chunks, verify,
-draft) goes through BatchPrefillWithPagedKVCacheWrapper over the same caches the torch backend
-uses, viewed as [pages, page_size, kv_heads, head_dim] (NHD). Cache writes go through the
-project's Triton scatter (slot -1 skipped).
+"""Paged attention through flashinfer on the GPU, over the same caches the torch backend uses.
+
+GQA layers (`attend`) go through BatchPrefillWithPagedKVCacheWrapper, the caches viewed as
+[pages, page_size, kv_heads, head_dim] (NHD); the drafter's sliding layers use window_left =
+window - 1. Absorbed MLA layers (`attend_latent`: Kimi-K3's and the DFlash2-MLA drafter's) go
+through BatchMLAPagedAttentionWrapper, the latent cache [slots, 1, kl + dr] viewed as its
+kl-wide compressed part and dr-wide rope part: whole layers page by page, causal bottom-right
+(prefill chunks, verify) or not (the drafter's full layer); sliding layers slot by slot over the
+last query's window plus an edge strip in torch (flashinfer_latent.py), and these read rings.
+Cache writes go through the project's Triton scatter (slot -1 skipped).
 
 flashinfer plans on the host: `plan` / `plan_round` record each named forward's layout (query
-rows per sequence, its pages, key lengths) outside any graph. A wrapper exists per (forward,
-mask variant) and, for captured rounds, per batch size (use_cuda_graph over static index
-buffers, as SGLang and vLLM do); it is planned when its forward's layout changes: lazily on
-first use in an eager forward, and by plan_round itself before a graph replays (the replay
-calls no Python). The drafter's sliding layers use window_left = window - 1: keys at most
-window - 1 before the query. flashinfer has no bound on the right, which a non-causal block sees
-only when the window is shorter than the block (build.py refuses that pairing here). flashinfer
-aligns queries to the end of the keys, so a draft block cut short by max_new_tokens sees its
-window (and, for causal drafters, its causal edge) shifted by the rows it lacks: its drafts may
-differ from the torch backend's in that last round, never the output, which verification decides.
+rows per sequence, key lengths, pages, batch rows) outside any graph. A wrapper exists per
+(forward, kind of read) and, for captured rounds, per batch size (use_cuda_graph over static
+index buffers, as SGLang and vLLM do); it is planned when its forward's layout changes: lazily
+on first use in an eager forward, and by plan_round itself before a graph replays (the replay
+calls no Python). flashinfer has no bound on the right of a GQA window, which a non-causal block
+sees only when the window is shorter than the block (build.py refuses that pairing here).
+flashinfer aligns queries to the end of the keys, so a draft block cut short by max_new_tokens
+sees its window (and, for causal drafters, its causal edge) shifted by the rows it lacks: its
+drafts may differ from the torch backend's in that last round, never the output, which
+verification decides.
 
 Import-safe without flashinfer: it is imported when the backend is built.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
+from dflash_batch.backends.flashinfer_latent import edge_strip, merge
 from dflash_batch.backends.meta import AttnMeta
 from kernels.scatter import scatter_triton
+
+RING = ".ring"  # AttnMeta.ring_view names a forward's ring view `<name>.ring`
+
+
+def capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _i32(values) -> torch.Tensor:
+    return torch.as_tensor(values, dtype=torch.int32)
 
 
 @dataclass
 class _Layout:
-    """A forward's CSR layout on the host (int32), as flashinfer's plan takes it."""
+    """A forward's sequences on the host: query rows, key length, pages and batch row of each
+    (None: a padding sequence, on the scratch page), and the CSR forms flashinfer plans from."""
 
-    qo_indptr: torch.Tensor
-    kv_indptr: torch.Tensor
-    kv_indices: torch.Tensor
-    last_page_len: torch.Tensor
+    q_lens: list[int]
+    kv_lens: list[int]
+    tables: list[list[int]]
+    rows: list[int | None]
+    page_size: int
     generation: int
+    cache: dict = field(default_factory=dict)
 
-    @classmethod
-    def build(cls, q_lens: list[int], kv_lens: list[int], pages: list[list[int]], page_size: int,
-              generation: int) -> _Layout:
-        def i32(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int32)
+    def paged(self) -> tuple[torch.Tensor, ...]:
+        """(qo_indptr, kv_indptr, kv_indices, last_page_len, kv_len) over whole pages."""
+        if "paged" not in self.cache:
+            ps = self.page_size
+            pages = [-(-kv // ps) for kv in self.kv_lens]
+            indices = [p for table, n in zip(self.tables, pages) for p in table[:n]]
+            self.cache["paged"] = (self._qo_indptr(), _i32([0, *torch.tensor(pages).cumsum(0).tolist()]),
+                                   _i32(indices), _i32([kv - (n - 1) * ps for kv, n in zip(self.kv_lens, pages)]),
+                                   _i32(self.kv_lens))
+        return self.cache["paged"]
 
-        q_ptr, kv_ptr, indices, last = [0], [0], [], []
-        for q, kv, table in zip(q_lens, kv_lens, pages):
-            n = -(-kv // page_size)
-            indices += table[:n]
-            q_ptr.append(q_ptr[-1] + q)
-            kv_ptr.append(kv_ptr[-1] + n)
-            last.append(kv - (n - 1) * page_size)
-        return cls(i32(q_ptr), i32(kv_ptr), i32(indices), i32(last), generation)
+    def window(self, window: int, ring_pages: int | None, scratch_page: int) -> tuple[torch.Tensor, ...]:
+        """(qo_indptr, kv_indptr, kv_indices, kv_len) over the slots of each sequence's last
+        `window` positions (page size 1), in its pages or, with ring_pages, in its batch row's ring
+        (row r owns ring pages r * ring_pages ..; padding sequences read the scratch page)."""
+        key = ("window", window, ring_pages)
+        if key not in self.cache:
+            ps, n = self.page_size, len(self.kv_lens)
+            hi = torch.tensor(self.kv_lens)
+            lo = (hi - window).clamp_min(0)
+            counts = hi - lo
+            seq = torch.repeat_interleave(torch.arange(n), counts)
+            first = counts.cumsum(0) - counts
+            pos = lo[seq] + torch.arange(int(counts.sum())) - first[seq]
+            if ring_pages is None:
+                width = max(map(len, self.tables))
+                tables = torch.tensor([t + [scratch_page] * (width - len(t)) for t in self.tables])
+                page = tables[seq, pos // ps]
+            else:
+                rows = torch.tensor([-1 if r is None else r for r in self.rows])[seq]
+                page = torch.where(rows >= 0, rows * ring_pages + (pos // ps) % ring_pages, scratch_page)
+            self.cache[key] = (self._qo_indptr(), _i32([0, *counts.cumsum(0).tolist()]), _i32(page * ps + pos % ps),
+                               _i32(counts))
+        return self.cache[key]
+
+    def _qo_indptr(self) -> torch.Tensor:
+        return _i32([0, *torch.tensor(self.q_lens).cumsum(0).tolist()])
+
+
+@dataclass
+class _Entry:
+    wrapper: object
+    plan: Callable[[_Layout], None]  # plans the wrapper for a layout of its forward
+    generation: int = -1             # the layout it was planned for
 
 
 class FlashInferAttention:
     name = "flashinfer"
-    rings = False  # sliding layers keep whole caches here (their window is masked, not cut)
 
-    def __init__(self, device: torch.device | str, workspace_bytes: int = 256 << 20):
+    def __init__(self, device: torch.device | str, rings: bool = False, workspace_bytes: int = 256 << 20):
+        """`rings`: the drafter's sliding layers keep rings (AttnMeta.ring_view). Only the latent
+        (MLA) path reads them: a GQA drafter's sliding layers keep whole caches here, their
+        window masked by flashinfer, not cut."""
         import flashinfer
 
         self.flashinfer = flashinfer
         self.device = torch.device(device)
+        self.rings = rings
         # One float workspace for every wrapper: forwards run one after another on one stream.
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
         self.layouts: dict[str, _Layout] = {}
         self.graph_rows: dict[str, int | None] = {}  # rows of the graph a forward is captured in
-        self.wrappers: dict[tuple, tuple] = {}       # key -> (wrapper, plan arguments, planned generation)
+        self.wrappers: dict[tuple, _Entry] = {}      # (forward, graph rows, ...) -> its wrapper
+        self.ring_pages: int | None = None
+        self.ring_scratch = 0     # the ring caches' scratch page (padding sequences read it)
+        self.scratch_page = 0     # the other caches' scratch page
         self.generation = 0
 
     # -- host side, outside any graph ----------------------------------------------------------
     def plan(self, meta: AttnMeta) -> None:
-        """An eager forward built on the host (a prefill chunk): its layout from the meta."""
+        """An eager forward built on the host (a prefill chunk: no ring is read): its layout
+        from the meta."""
         T = meta.num_rows
         q_lens = (meta.q_index < T).sum(-1).tolist()
-        self._set(meta.name, _Layout.build(q_lens, meta.kv_lens.tolist(), meta.block_tables.tolist(),
-                                           meta.page_size, self._next()), None)
+        rows = meta.rows.tolist() if meta.rows is not None else [None] * len(q_lens)
+        self._set(meta.name, _Layout(q_lens, meta.kv_lens.tolist(), meta.block_tables.tolist(), rows,
+                                     meta.page_size, self._next()), None)
 
     def plan_round(self, batch, n: int, kv_lens: dict[str, list[int]], graph: bool) -> None:
         """A round's forwards over rows 0..n-1 of `batch`: rows past the lists are padding, given
         the scratch page (flashinfer needs every sequence to have keys)."""
         block, ps = batch.block, batch.page_size
+        self.scratch_page = batch.scratch_page
+        if batch.ring is not None:
+            self._set_ring(batch.ring.pages, batch.scratch_state)  # scratch_state: the rows that run sequences
         for name, lens in kv_lens.items():
             pad = [block] * (n - len(lens))
             scratch = [batch.scratch_page] * -(-block // ps)
             tables = [batch.host_tables[r] or scratch for r in range(len(lens))] + [scratch] * len(pad)
-            self._set(name, _Layout.build([block] * n, lens + pad, tables, ps, self._next()), n if graph else None)
+            rows = [r if batch.host_tables[r] else None for r in range(len(lens))] + [None] * len(pad)
+            self._set(name, _Layout([block] * n, lens + pad, tables, rows, ps, self._next()), n if graph else None)
             # plan fills each wrapper's pinned host buffer and copies it to the device
             # asynchronously; the previous round's read-back has synchronised, so that copy of
             # the last plan is done before this one overwrites the buffer.
             if graph:  # a replay calls no Python: plan its wrappers now
-                for key, (wrapper, args, planned) in list(self.wrappers.items()):
+                for key, entry in self.wrappers.items():
                     if key[0] == name and key[1] == n:
-                        self._plan(key, wrapper, args)
+                        self._plan(entry, name)
+
+    def _set_ring(self, pages: int, sequences: int) -> None:
+        # Ring caches hold `sequences` rows of `pages` pages, then their scratch page (meta.Ring).
+        self.ring_pages, self.ring_scratch = pages, sequences * pages
 
     def _next(self) -> int:
         self.generation += 1
@@ -103,42 +170,31 @@ class FlashInferAttention:
         self.layouts[name] = layout
         self.graph_rows[name] = graph_rows
 
-    def _plan(self, key: tuple, wrapper, args: dict) -> None:
-        layout = self.layouts[key[0]]
-        wrapper.plan(layout.qo_indptr, layout.kv_indptr, layout.kv_indices, layout.last_page_len, **args)
-        self.wrappers[key] = (wrapper, args, layout.generation)
+    def _plan(self, entry: _Entry, name: str) -> None:
+        layout = self.layouts[name]
+        entry.plan(layout)
+        entry.generation = layout.generation
 
-    def _wrapper(self, meta: AttnMeta, q: torch.Tensor, k_cache: torch.Tensor, scale: float, causal: bool,
-                 window: int | None):
-        rows = self.graph_rows.get(meta.name)
-        args = dict(num_qo_heads=q.shape[1], num_kv_heads=k_cache.shape[1], head_dim_qk=q.shape[2],
-                    page_size=meta.page_size, causal=causal, sm_scale=scale,
-                    window_left=window - 1 if window else -1, q_data_type=q.dtype, kv_data_type=k_cache.dtype)
-        # A captured wrapper's buffers and row count are fixed by its first plan: one per shape.
-        key = (meta.name, rows, meta.q_index.shape[1], meta.block_tables.shape[1], causal, window, scale,
-               q.shape[1], k_cache.shape[1], q.shape[2], q.dtype)
+    def _wrapper(self, name: str, key: tuple, make: Callable[[int | None], _Entry]):
+        """The wrapper of forward `name` under `key`, planned for the forward's current layout;
+        `make(graph rows)` builds it (a captured wrapper's buffers and row count are fixed by
+        its first plan: one per shape)."""
+        rows = self.graph_rows.get(name)
+        key = (name, rows, *key)
         entry = self.wrappers.get(key)
         if entry is None:
-            wrapper = self._new_wrapper(rows, meta.block_tables.shape[1])
-            entry = (wrapper, args, -1)
-        if entry[2] != self.layouts[meta.name].generation:
-            if torch.cuda.is_current_stream_capturing():
+            entry = self.wrappers[key] = make(rows)
+        if entry.generation != self.layouts[name].generation:
+            if capturing(self.device):
                 raise RuntimeError(f"flashinfer wrapper for {key} was not planned before capture")
-            self._plan(key, entry[0], args)
-        return self.wrappers[key][0]
+            self._plan(entry, name)
+        return entry.wrapper
 
-    def _new_wrapper(self, rows: int | None, max_pages: int):
-        prefill = self.flashinfer.BatchPrefillWithPagedKVCacheWrapper
-        if rows is None:
-            return prefill(self.workspace, "NHD")
-
+    def _buffers(self, rows: int, indices: int) -> dict[str, torch.Tensor]:
         def buf(n: int) -> torch.Tensor:
             return torch.zeros(n, dtype=torch.int32, device=self.device)
 
-        # Static index buffers sized for the captured batch: plan copies each layout into them.
-        return prefill(self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=buf(rows + 1),
-                       paged_kv_indptr_buf=buf(rows + 1), paged_kv_indices_buf=buf(rows * (max_pages + 1)),
-                       paged_kv_last_page_len_buf=buf(rows))
+        return dict(qo_indptr=buf(rows + 1), kv_indptr=buf(rows + 1), kv_indices=buf(indices), kv_len_arr=buf(rows))
 
     # -- inside the forward (and the graph) ----------------------------------------------------
     def write(self, cache: torch.Tensor, meta: AttnMeta, values: torch.Tensor) -> None:
@@ -146,12 +202,68 @@ class FlashInferAttention:
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
                scale: float, causal: bool = True, window: int | None = None) -> torch.Tensor:
-        wrapper = self._wrapper(meta, q, k_cache, scale, causal, window)
+        if meta.name.endswith(RING):
+            raise ValueError("flashinfer's GQA path reads whole caches, not rings (build it with rings=False)")
+        max_pages = meta.block_tables.shape[1]
+        args = dict(num_qo_heads=q.shape[1], num_kv_heads=k_cache.shape[1], head_dim_qk=q.shape[2],
+                    page_size=meta.page_size, causal=causal, sm_scale=scale,
+                    window_left=window - 1 if window else -1, q_data_type=q.dtype, kv_data_type=k_cache.dtype)
+
+        def make(rows: int | None) -> _Entry:
+            prefill = self.flashinfer.BatchPrefillWithPagedKVCacheWrapper
+            if rows is None:
+                wrapper = prefill(self.workspace, "NHD")
+            else:  # static index buffers sized for the captured batch: plan copies each layout into them
+                b = self._buffers(rows, rows * (max_pages + 1))
+                wrapper = prefill(self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=b["qo_indptr"],
+                                  paged_kv_indptr_buf=b["kv_indptr"], paged_kv_indices_buf=b["kv_indices"],
+                                  paged_kv_last_page_len_buf=b["kv_len_arr"])
+            return _Entry(wrapper, lambda layout: wrapper.plan(*layout.paged()[:4], **args))
+
+        key = ("gqa", meta.q_index.shape[1], max_pages, causal, window, scale, q.shape[1], k_cache.shape[1],
+               q.shape[2], q.dtype)
+        wrapper = self._wrapper(meta.name, key, make)
         paged = (k_cache.view(-1, meta.page_size, *k_cache.shape[1:]),
                  v_cache.view(-1, meta.page_size, *v_cache.shape[1:]))
         return wrapper.run(q.contiguous(), paged)
 
     def attend_latent(self, q: torch.Tensor, cache: torch.Tensor, v_width: int, meta: AttnMeta,
                       scale: float, causal: bool = True, window: int | None = None) -> torch.Tensor:
-        raise NotImplementedError("MLA attention on flashinfer comes with the MLA path; "
-                                  "resolve_engine keeps MLA models on the torch backend")
+        """Absorbed MLA; see the module doc. A sliding layer's block must be dense, non-causal and
+        no longer than the window (the DFlash2-MLA drafter's; build.py refuses others here)."""
+        name = meta.name.removesuffix(RING)
+        ring = meta.name.endswith(RING)
+        if window is not None and (causal or not meta.dense or window < meta.q_index.shape[1]):
+            raise ValueError("flashinfer's latent path takes sliding windows over dense non-causal blocks no "
+                             "longer than the window (a shorter window bounds a block's keys on the right too)")
+        ps = meta.page_size if window is None else 1
+        max_pages = meta.block_tables.shape[1]
+        args = dict(num_heads=q.shape[1], head_dim_ckv=v_width, head_dim_kpe=q.shape[2] - v_width, page_size=ps,
+                    causal=causal, sm_scale=scale, q_data_type=q.dtype, kv_data_type=cache.dtype)
+
+        def csr(layout: _Layout) -> tuple[torch.Tensor, ...]:
+            if window is None:
+                qo, kv_ptr, indices, _, kv_len = layout.paged()
+                return qo, kv_ptr, indices, kv_len
+            scratch = self.ring_scratch if ring else self.scratch_page
+            return layout.window(window, self.ring_pages if ring else None, scratch)
+
+        def make(rows: int | None) -> _Entry:
+            mla = self.flashinfer.mla.BatchMLAPagedAttentionWrapper
+            if rows is None:
+                wrapper = mla(self.workspace)
+            else:
+                wrapper = mla(self.workspace, use_cuda_graph=True,
+                              **self._buffers(rows, rows * (window if window else max_pages + 1)))
+            return _Entry(wrapper, lambda layout: wrapper.plan(*csr(layout), **args))
+
+        key = ("mla", ring, meta.q_index.shape[1], max_pages, causal, window, scale, q.shape[1], q.shape[2],
+               q.dtype)
+        wrapper = self._wrapper(name, key, make)
+        paged = cache.view(-1, ps, cache.shape[-1])
+        q_nope, q_pe, ckv, kpe = q[..., :v_width], q[..., v_width:], paged[..., :v_width], paged[..., v_width:]
+        if window is None:
+            return wrapper.run(q_nope, q_pe, ckv, kpe)
+        out, lse = wrapper.run(q_nope, q_pe, ckv, kpe, return_lse=True, return_lse_base_on_e=True)
+        strip_out, strip_lse = edge_strip(q, cache, v_width, meta, scale, window)
+        return merge(out, lse, strip_out, strip_lse).to(q.dtype)
