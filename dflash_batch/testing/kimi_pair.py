@@ -17,9 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from dflash_batch.engine.pair import attach_drafter
 from dflash_batch.models.loader import load_model
-from dflash_batch.testing.mla_drafter import (
-    CONV_GROUP, CONV_TAPS, DN, DR, DV, HIDDEN, INTER, KL, LAYERS, QL, RANK, YARN, H, mla_drafter_tensors,
-)
+from dflash_batch.testing.mla_drafter import HIDDEN, TINY_DIMS, YARN, mla_drafter_tensors
 from dflash_batch.testing.kimi import make_kimi_checkpoint
 
 VOCAB = 96                          # the tiny Kimi-K3's (hidden 64: HIDDEN below)
@@ -30,24 +28,28 @@ BLOCK = 8
 SEL_TOP_K = 4
 
 
-def drafter_config(stream: str = "prefix", window: int = 6) -> dict:
-    dflash = dict(block_size=BLOCK, attention_mode="mla", conv_kernel_size=CONV_TAPS,
-                  conv_group_size=CONV_GROUP, selector_rank=RANK, selector_top_k=SEL_TOP_K,
+def drafter_config(stream: str = "prefix", window: int = 6, dims: dict | None = None, vocab: int = VOCAB,
+                   target_layers: int = 8) -> dict:
+    """`dims`: mla_drafter.TINY_DIMS's keys to override; `vocab`, `target_layers`: the target's."""
+    d = TINY_DIMS | (dims or {})
+    dflash = dict(block_size=BLOCK, attention_mode="mla", conv_kernel_size=d["conv_taps"],
+                  conv_group_size=d["conv_group"], selector_rank=d["rank"], selector_top_k=SEL_TOP_K,
                   target_layer_ids=TAPS, mask_token_id=MASK)
     if stream != "prefix":  # absent for "prefix": the target's default must apply
         dflash["aux_hidden_stream"] = stream
     return dict(
         architectures=["DFlash2DraftModel"], model_type="qwen3", hidden_act="silu",
-        hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
-        num_attention_heads=H, num_key_value_heads=H, q_lora_rank=QL, kv_lora_rank=KL,
-        qk_nope_head_dim=DN, qk_rope_head_dim=DR, v_head_dim=DV, vocab_size=VOCAB, rms_norm_eps=1e-5,
-        num_target_layers=8, layer_types=["sliding_attention"] * (LAYERS - 1) + ["full_attention"],
+        hidden_size=d["hidden"], intermediate_size=d["inter"], num_hidden_layers=d["layers"],
+        num_attention_heads=d["heads"], num_key_value_heads=d["heads"], q_lora_rank=d["q_lora"],
+        kv_lora_rank=d["kv_lora"], qk_nope_head_dim=d["nope"], qk_rope_head_dim=d["rope"], v_head_dim=d["v"],
+        vocab_size=vocab, rms_norm_eps=1e-5, num_target_layers=target_layers,
+        layer_types=["sliding_attention"] * (d["layers"] - 1) + ["full_attention"],
         is_causal=False, use_sliding_window=True, sliding_window=window, rope_parameters=dict(YARN),
         dflash_config=dflash)
 
 
-def drafter_tensors(seed: int) -> dict[str, torch.Tensor]:
-    return mla_drafter_tensors(seed, VOCAB, len(TAPS))
+def drafter_tensors(seed: int, dims: dict | None = None, vocab: int = VOCAB) -> dict[str, torch.Tensor]:
+    return mla_drafter_tensors(seed, vocab, len(TAPS), dims)
 
 
 def set_target_head(target_dir: Path, head: torch.Tensor) -> None:
@@ -76,17 +78,20 @@ def peaked_head(seed: int, scale: float = 3.0, active: int = ACTIVE) -> torch.Te
 
 def make_kimi_pair(directory: str | Path, stream: str = "prefix", window: int = 6, seed: int = 0,
                    peaked: bool = True, head_scale: float = 3.0, active: int = ACTIVE,
-                   **target_overrides) -> tuple[Path, Path]:
+                   drafter_dims: dict | None = None, **target_overrides) -> tuple[Path, Path]:
     """(target_dir, drafter_dir) under directory. `head_scale` < 3 softens the peaked head (for
-    sampling tests that need several likely tokens per step)."""
+    sampling tests that need several likely tokens per step); `drafter_dims` and
+    `target_overrides` widen the pair (the peaked head is the tiny width's)."""
     directory = Path(directory)
     target = make_kimi_checkpoint(directory / "target", seed=seed, **target_overrides)
     if peaked:
         set_target_head(target, peaked_head(seed, head_scale, active))
+    vocab = target_overrides.get("vocab_size", VOCAB)
+    layers = target_overrides.get("num_hidden_layers", 8)
     drafter = directory / f"drafter_{stream}"
     drafter.mkdir(parents=True, exist_ok=True)
-    (drafter / "config.json").write_text(json.dumps(drafter_config(stream, window)))
-    save_file(drafter_tensors(seed + 1), drafter / "model.safetensors", metadata={"format": "pt"})
+    (drafter / "config.json").write_text(json.dumps(drafter_config(stream, window, drafter_dims, vocab, layers)))
+    save_file(drafter_tensors(seed + 1, drafter_dims, vocab), drafter / "model.safetensors", metadata={"format": "pt"})
     return target, drafter
 
 

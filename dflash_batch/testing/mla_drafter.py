@@ -19,26 +19,35 @@ YARN = dict(rope_type="yarn", rope_theta=50000.0, factor=32.0, original_max_posi
             beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
 
 
-def mla_drafter_tensors(seed: int, vocab: int, num_taps: int) -> dict[str, torch.Tensor]:
+# The same dimensions by name: a caller may override some (benchmarks/kimi_gpu_check.py: one TP8
+# rank's share of the published drafter).
+TINY_DIMS = dict(hidden=HIDDEN, heads=H, q_lora=QL, kv_lora=KL, nope=DN, rope=DR, v=DV, inter=INTER, layers=LAYERS,
+                 conv_taps=CONV_TAPS, conv_group=CONV_GROUP, rank=RANK)
+
+
+def mla_drafter_tensors(seed: int, vocab: int, num_taps: int, dims: dict | None = None) -> dict[str, torch.Tensor]:
     """Unit-scale random weights, named and shaped as a DFlash2-MLA checkpoint holds them (§1.2),
-    so that nothing hides behind a test's tolerance."""
-    groups = HIDDEN // CONV_GROUP
-    shapes = {"fc.weight": (HIDDEN, num_taps * HIDDEN), "hidden_norm.weight": (HIDDEN,), "norm.weight": (HIDDEN,),
-              "candidate_selector.predecessor_codebook": (vocab, RANK),
-              "candidate_selector.successor_codebook": (vocab, RANK),
-              "candidate_selector.hidden_projection.weight": (RANK, HIDDEN)}
-    for i in range(LAYERS):
+    so that nothing hides behind a test's tolerance. `dims`: TINY_DIMS's keys to override."""
+    d = TINY_DIMS | (dims or {})
+    hidden, heads, kl, taps = d["hidden"], d["heads"], d["kv_lora"], d["conv_taps"]
+    groups = hidden // d["conv_group"]
+    shapes = {"fc.weight": (hidden, num_taps * hidden), "hidden_norm.weight": (hidden,), "norm.weight": (hidden,),
+              "candidate_selector.predecessor_codebook": (vocab, d["rank"]),
+              "candidate_selector.successor_codebook": (vocab, d["rank"]),
+              "candidate_selector.hidden_projection.weight": (d["rank"], hidden)}
+    for i in range(d["layers"]):
         p, a = f"layers.{i}.", f"layers.{i}.self_attn."
-        shapes |= {p + "input_layernorm.weight": (HIDDEN,), p + "post_attention_layernorm.weight": (HIDDEN,),
-                   a + "q_a_proj.weight": (QL, HIDDEN), a + "q_a_layernorm.weight": (QL,),
-                   a + "q_b_proj.weight": (H * (DN + DR), QL), a + "kv_a_proj_with_mqa.weight": (KL + DR, HIDDEN),
-                   a + "kv_a_layernorm.weight": (KL,), a + "kv_b_proj.weight": (H * (DN + DV), KL),
-                   a + "o_proj.weight": (HIDDEN, H * DV),
-                   p + "mlp.gate_proj.weight": (INTER, HIDDEN), p + "mlp.up_proj.weight": (INTER, HIDDEN),
-                   p + "mlp.down_proj.weight": (HIDDEN, INTER)}
+        shapes |= {p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
+                   a + "q_a_proj.weight": (d["q_lora"], hidden), a + "q_a_layernorm.weight": (d["q_lora"],),
+                   a + "q_b_proj.weight": (heads * (d["nope"] + d["rope"]), d["q_lora"]),
+                   a + "kv_a_proj_with_mqa.weight": (kl + d["rope"], hidden),
+                   a + "kv_a_layernorm.weight": (kl,), a + "kv_b_proj.weight": (heads * (d["nope"] + d["v"]), kl),
+                   a + "o_proj.weight": (hidden, heads * d["v"]),
+                   p + "mlp.gate_proj.weight": (d["inter"], hidden), p + "mlp.up_proj.weight": (d["inter"], hidden),
+                   p + "mlp.down_proj.weight": (hidden, d["inter"])}
         for conv in ("attention_conv", "mlp_conv"):
-            shapes |= {p + f"{conv}.base_kernel": (2, CONV_TAPS, HIDDEN),
-                       p + f"{conv}.kernel_projection.weight": (2 * CONV_TAPS * groups, HIDDEN)}
+            shapes |= {p + f"{conv}.base_kernel": (2, taps, hidden),
+                       p + f"{conv}.kernel_projection.weight": (2 * taps * groups, hidden)}
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for name, shape in shapes.items():

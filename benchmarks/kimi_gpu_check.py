@@ -1,0 +1,208 @@
+"""The Kimi-K3 half of the GPU check (benchmarks/gpu_check.sh runs it on the device): a Kimi-K3 at
+one TP8 rank's real widths (hidden 7168; 12 MLA heads over a 512 + 64 latent; 12 KDA heads of
+128; MXFP4 experts of 384 columns in a 3584-wide latent; a rank's 20,480 rows of the vocabulary),
+4 layers (3 KDA, 1 MLA) and 32 experts (top 16), with a 5-layer DFlash2-MLA drafter at a rank's
+width (8 heads, window 4096). Random weights: drafts are rarely accepted, so a round's time here
+is its cost, not a speed-up. Prints, for one backend:
+
+- the GPU's prefill logits against the CPU's float32 forward of the same checkpoint;
+- graph == eager and speculative greedy == target-only greedy (sequences whose tokens agree);
+- the median round time at batch 1/2/4/16 under CUDA graphs beside the bandwidth floor: the bytes a
+  round must read (resident weights but the embedding, each sequence's latent rows and KDA
+  states) over the copy bandwidth measured here.
+
+`--small` runs the tiny pair instead (and on a CPU, without graphs): a check of the script itself.
+`--dir` keeps the checkpoints for the next run (the GPU check runs both backends on one pair).
+
+python benchmarks/kimi_gpu_check.py [--backend torch|flashinfer] [--small] [--dir D] [--out table.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dflash_batch.backends.meta import single_sequence_meta  # noqa: E402
+from dflash_batch.engine.engine import Engine  # noqa: E402
+from dflash_batch.engine.pair import attach_drafter  # noqa: E402
+from dflash_batch.engine.request import Request, SamplingParams  # noqa: E402
+from dflash_batch.models.loader import load_model  # noqa: E402
+from dflash_batch.plan.buckets import Bucket  # noqa: E402
+from dflash_batch.testing.kimi_pair import make_kimi_pair  # noqa: E402
+
+TP = 8
+TARGET = dict(hidden_size=7168, vocab_size=163840 // TP, num_hidden_layers=4, intermediate_size=33792 // TP,
+              num_attention_heads=96 // TP, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+              qk_rope_head_dim=64, v_head_dim=128, num_experts=32, num_experts_per_token=16, num_shared_experts=2,
+              moe_intermediate_size=3072 // TP, routed_expert_hidden_size=3584, attn_res_block_size=12,
+              max_position_embeddings=131072, linear_attn_config=dict(num_heads=96 // TP, head_dim=128))
+DRAFTER = dict(hidden=7168, heads=64 // TP, q_lora=1536, kv_lora=512, nope=128, rope=64, v=128, inter=14336 // TP,
+               layers=5, conv_taps=2, conv_group=16, rank=256)
+WINDOW, BATCHES, PROMPT = 4096, (1, 2, 4, 16), 512
+
+
+def load_pair(dirs: tuple[Path, Path], dtype: torch.dtype, device: str):
+    target, drafter = load_model(dirs[0], dtype, device), load_model(dirs[1], dtype, device)
+    attach_drafter(target, drafter)
+    return target, drafter
+
+
+def prompts(n: int, vocab: int, length: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(n)
+    return [torch.randint(0, vocab - 2, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def generate(engine: Engine, batch: int, new: int, vocab: int, speculation: bool = True) -> tuple[float, dict, int]:
+    """(seconds, tokens by key, rounds of the longest sequence) of `batch` prompts decoded together."""
+    reqs = [Request((str(i), 0), p, SamplingParams(max_new_tokens=new, seed=i))
+            for i, p in enumerate(prompts(batch, vocab, PROMPT))]
+    bucket = Bucket(0, "0-2048", 2048, batch, speculation, None)
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    t = time.perf_counter()
+    outs = list(engine.generate(reqs, bucket))
+    sync()
+    rounds = max(len(c.spec.per_round) if c.spec else len(c.token_ids) - 1 for c in outs)
+    return time.perf_counter() - t, {c.key: c.token_ids for c in outs}, rounds
+
+
+def round_ms(engine: Engine, batch: int, vocab: int) -> float:
+    """The median time of the engine's rounds (host work and read-back included) over `batch`
+    sequences decoding together, after a warm-up run (captures, compiles); prefill is not a round."""
+    generate(engine, batch, 8, vocab)
+    times, run_round = [], engine._round
+
+    def timed(*args):
+        start = time.perf_counter()
+        kept = run_round(*args)
+        times.append(time.perf_counter() - start)
+        return kept
+
+    engine._round = timed
+    try:
+        generate(engine, batch, 48, vocab)
+    finally:
+        del engine._round
+    return 1e3 * statistics.median(times)
+
+
+def copy_bandwidth(device: str, nbytes: int) -> float:
+    """Bytes per second a device-to-device copy moves (read + write)."""
+    x = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    y.copy_(x)
+    sync()
+    t = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    sync()
+    return 2 * 10 * nbytes / (time.perf_counter() - t)
+
+
+def floor_bytes(target, drafter, batch: int, context: int) -> int:
+    """What a round must read: every resident weight but the embedding (a few rows), and per
+    sequence the latent rows its MLA layers attend to and its KDA states (read by the verify,
+    read and written by the commit)."""
+    weights = sum(p.nbytes for n, p in target.named_parameters() if "embed_tokens" not in n)
+    weights += sum(p.nbytes for p in drafter.parameters())
+    latent = target.model.layers[-1].self_attn.cache.shape[-1] * target.model.layers[-1].self_attn.cache.element_size()
+    mla = sum(not layer.is_kda for layer in target.model.layers)
+    kda = [layer.self_attn for layer in target.model.layers if layer.is_kda]
+    state = sum(a.state[0].nbytes for a in kda)
+    sliding = [layer.self_attn for layer in drafter.layers if layer.self_attn.window]
+    full = len(drafter.layers) - len(sliding)
+    window = sliding[0].window if sliding else 0
+    per_seq = latent * (context * (mla + full) + min(context, window) * len(sliding)) + 3 * state
+    return weights + batch * per_seq
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--backend", default="torch", choices=["torch", "flashinfer"])
+    ap.add_argument("--small", action="store_true", help="the tiny pair (checks the script; runs on a CPU)")
+    ap.add_argument("--dir", help="where the pair's checkpoints are (made there if absent; default: a new "
+                    "temporary directory)")
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    cuda = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    d = Path(a.dir or tempfile.mkdtemp())
+    t0 = time.time()
+    dirs = (d / "target", d / "drafter_prefix")
+    if not (d / "done").exists():
+        if a.small:
+            make_kimi_pair(d, window=10)
+        else:
+            make_kimi_pair(d, window=WINDOW, peaked=False, drafter_dims=DRAFTER, **TARGET)
+        (d / "done").touch()
+    table = {"backend": a.backend, "device": torch.cuda.get_device_name() if cuda else "cpu",
+             "checkpoints_s": round(time.time() - t0, 1)}
+    print(json.dumps(table), flush=True)
+
+    target, drafter = load_pair(dirs, dtype, device)
+    vocab = target.vocab_size
+    ids = torch.tensor(prompts(1, vocab, 64)[0])
+
+    def prefill_logits(model, on: str) -> torch.Tensor:
+        model.allocate_cache(128, model.embed_tokens.weight.dtype, on)
+        if hasattr(model, "allocate_state"):
+            model.allocate_state(2, 1, 8, on)
+        meta = single_sequence_meta(len(ids), page_size=16)
+        meta = type(meta)(**{k: (v.to(on) if isinstance(v, torch.Tensor) else v) for k, v in vars(meta).items()})
+        meta.state_ids = torch.tensor([0], device=on)
+        with torch.no_grad():
+            return model(ids.to(on), meta)[0].float().cpu()
+
+    got = prefill_logits(target, device)
+    reference = prefill_logits(load_model(dirs[0], torch.float32, "cpu"), "cpu")
+    table["logits vs CPU float32 (max abs diff / max abs)"] = float((got - reference).abs().max() / reference.abs().max())
+    table["argmax agreement"] = float((got.argmax(-1) == reference.argmax(-1)).float().mean())
+    print(json.dumps({k: table[k] for k in list(table)[-2:]}), flush=True)
+
+    attention = None
+    if a.backend == "flashinfer":
+        from dflash_batch.backends.flashinfer_attention import FlashInferAttention
+
+        attention = FlashInferAttention(device, rings=True)
+    kw = dict(device=device, dtype=dtype, **({"attention": attention} if attention else {}))
+    eager = Engine(target, drafter, **kw)
+    graphs = Engine(target, drafter, cuda_graphs=cuda, capture_sizes=list(BATCHES), **kw)
+    _, want, _ = generate(eager, 16, 24, vocab)
+    _, got_graph, _ = generate(graphs, 16, 24, vocab)
+    _, plain, _ = generate(graphs, 16, 24, vocab, speculation=False)
+    table["graph == eager"] = f"{sum(got_graph[k] == want[k] for k in want)}/{len(want)}"
+    table["spec greedy == target-only"] = f"{sum(got_graph[k] == plain[k] for k in want)}/{len(want)}"
+    print(json.dumps({k: table[k] for k in list(table)[-2:]}), flush=True)
+
+    bandwidth = copy_bandwidth(device, 1 << 30 if cuda else 1 << 26)
+    table["copy GB/s"] = bandwidth / 1e9
+    table["rounds"] = []
+    for batch in BATCHES:
+        ms = round_ms(graphs, batch, vocab)
+        floor = 1e3 * floor_bytes(target, drafter, batch, PROMPT + 48) / bandwidth
+        row = {"batch": batch, "ms_per_round": ms, "floor_ms": floor, "floor / measured": floor / ms}
+        table["rounds"].append(row)
+        print(json.dumps(row), flush=True)
+    print(f"\n| batch | median ms/round ({'graphs' if cuda else 'eager'}, {a.backend}) | bandwidth floor ms | floor / "
+          f"measured |\n|---|---|---|---|")
+    for r in table["rounds"]:
+        print(f"| {r['batch']} | {r['ms_per_round']:.2f} | {r['floor_ms']:.2f} | {r['floor / measured']:.2f} |")
+    print(f"\nlogits vs CPU: {table['logits vs CPU float32 (max abs diff / max abs)']:.2e} of the largest "
+          f"(argmax agrees on {table['argmax agreement']:.0%} of rows); graph == eager {table['graph == eager']}; "
+          f"spec greedy == target-only {table['spec greedy == target-only']}; copy {table['copy GB/s']:.0f} GB/s")
+    if a.out:
+        json.dump(table, open(a.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
