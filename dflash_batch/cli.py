@@ -105,9 +105,9 @@ def _tp_rank(rank: int, world: int, port: int, job: Job, shard: Shard, progress:
     import torch
 
     _set_threads(world)
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=rank, world_size=world)
-    if torch.cuda.is_available():
+    if torch.cuda.is_available():  # before the group: NCCL binds to the current GPU
         torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=rank, world_size=world)
     try:
         _run_shard(job, shard, progress, job_file)
     finally:

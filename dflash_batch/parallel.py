@@ -80,8 +80,16 @@ def barrier() -> None:
         dist.barrier()
 
 
+def local_gpu(env: dict[str, str], gpus: int) -> int:
+    """The GPU of this rank on its node: torchrun's LOCAL_RANK, srun's SLURM_LOCALID, else the
+    global rank modulo the node's GPUs (one GPU a rank)."""
+    local = env.get("LOCAL_RANK") or env.get("SLURM_LOCALID")
+    return int(local) if local is not None else int(env.get("RANK", "0")) % max(gpus, 1)
+
+
 def init_from_env(backend: str | None = None) -> bool:
-    """Join the process group described by torchrun/srun variables; False if there is none."""
+    """Join the process group described by torchrun/srun variables; False if there is none. On
+    CUDA each rank takes its own GPU before the group starts (NCCL binds to the current one)."""
     if dist.is_initialized():
         return True
     env_world = os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS")
@@ -89,6 +97,8 @@ def init_from_env(backend: str | None = None) -> bool:
         return False
     os.environ.setdefault("RANK", os.environ.get("SLURM_PROCID", "0"))
     os.environ.setdefault("WORLD_SIZE", env_world)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_gpu(dict(os.environ), torch.cuda.device_count()))
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     dist.init_process_group(backend)
     return True

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from dflash_batch.parallel import local_gpu
 from tests import tp_worker
 from tests.numerics import assert_close
 from tests.tiny_models import make_qwen3_checkpoint
@@ -36,3 +37,13 @@ def test_tp2_matches_tp1(tmp_path, dtype):
             assert_close(got[key], value, msg=f"rank {rank} {key}")
         assert torch.equal(got["prefill"].argmax(-1), expected["prefill"].argmax(-1))
         assert torch.equal(got["decode"].argmax(-1), expected["decode"].argmax(-1))
+
+
+@pytest.mark.parametrize("env, gpus, want", [
+    ({"LOCAL_RANK": "3", "RANK": "11"}, 8, 3),                 # torchrun
+    ({"SLURM_LOCALID": "5", "RANK": "13"}, 8, 5),              # srun
+    ({"RANK": "13"}, 8, 5),                                    # neither: the global rank modulo the node's GPUs
+    ({"LOCAL_RANK": "0", "SLURM_LOCALID": "2"}, 8, 0),         # torchrun under srun: torchrun's word
+], ids=["torchrun", "srun", "rank", "both"])
+def test_each_rank_takes_its_nodes_gpu(env, gpus, want):
+    assert local_gpu(env, gpus) == want
