@@ -131,9 +131,10 @@ def resolve_engine(job: Job, cuda: bool | None = None, flashinfer: bool | None =
     device = "cuda" if cuda and e.backend != "torch" else "cpu"
 
     host_reads = _why_host_reads(target_ckpt, device)
+    # Under tensor parallelism every rank captures the same rounds, NCCL collectives inside them.
     why_no_graphs = (
         "they need a CUDA device (this host has none, or engine.backend is torch)" if device != "cuda" else
-        host_reads or ("tensor_parallel_size > 1 is not captured yet" if tp > 1 else None))
+        host_reads)
     if e.cuda_graphs and why_no_graphs:
         raise JobError(f"engine.cuda_graphs: true cannot take effect: {why_no_graphs}")
     graphs = why_no_graphs is None if e.cuda_graphs is None else e.cuda_graphs

@@ -86,20 +86,23 @@ def test_defaults_on_a_gpu_host(checkpoints):
     (GPU, "qwen3", "short_window", dict(backend="flashinfer"), 1, r"sliding window \(6\) is shorter than its block"),
     (CPU, "qwen3", "gqa", dict(cuda_graphs=True), 1, "cuda_graphs: true cannot take effect: they need a CUDA"),
     (GPU, "kimi", "mla", dict(cuda_graphs=True), 1, "stored unpacked .* grouped by expert on the host"),
-    (GPU, "qwen3", "gqa", dict(cuda_graphs=True), 2, "tensor_parallel_size > 1"),
     (GPU, "qwen3", "gqa", dict(compile=True), 1, "compile: true cannot take effect: compilation is the CPU path"),
     (CPU, "kimi_mxfp4", None, dict(compile=True), 1, "grouped by expert on the host by the torch path"),
-    (GPU, "kimi_mxfp4", "mla", dict(cuda_graphs=True), 2, "tensor_parallel_size > 1"),
     (CPU, "qwen3", "gqa", dict(compile=True), 2, "tensor_parallel_size > 1 is not compiled"),
     (CPU, "qwen3", "gqa", dict(cudagraph_capture_sizes=[1, 2]), 1, "capture_sizes is set but CUDA graphs are off"),
     (GPU, "qwen3", "gqa", dict(cudagraph_capture_sizes=[1, 2, 4]), 1, "must reach every bucket's max_num_seqs"),
 ], ids=["flashinfer_cpu", "flashinfer_missing", "flashinfer_kimi", "flashinfer_mla", "flashinfer_causal_mla",
-        "flashinfer_head32",
-        "flashinfer_short_window", "graphs_cpu", "graphs_kimi",
-        "graphs_tp", "compile_gpu", "compile_kimi", "graphs_kimi_tp", "compile_tp", "sizes_without_graphs", "sizes_short"])
+        "flashinfer_head32", "flashinfer_short_window", "graphs_cpu", "graphs_kimi", "compile_gpu", "compile_kimi",
+        "compile_tp", "sizes_without_graphs", "sizes_short"])
 def test_settings_that_cannot_take_effect_are_refused(checkpoints, host, target, drafter, engine, tp, reason):
     with pytest.raises(JobError, match=reason):
         resolve_engine(job(checkpoints, target, drafter, tp, **engine), **host)
+
+
+def test_tensor_parallel_ranks_capture_graphs(checkpoints):
+    for target, drafter in (("qwen3", "gqa"), ("kimi_real", "mla_real")):
+        setup = resolve_engine(job(checkpoints, target, drafter, tp=8), **GPU)
+        assert setup.cuda_graphs and setup.capture_sizes == [1, 2, 4, 8, 12]
 
 
 def test_flashinfer_runs_kimi_k3_and_its_mla_drafter(checkpoints):

@@ -20,10 +20,10 @@ from dflash_batch.backends.torch_attention import TORCH
 from dflash_batch.engine import engine as engine_module
 from dflash_batch.engine.cache import SeqRows, build_meta
 from dflash_batch.engine.engine import Engine
-from dflash_batch.engine.graphs import RoundGraphs
 from dflash_batch.engine.request import Request, SamplingParams
 from dflash_batch.testing import kimi_pair
 from tests import fake_flashinfer
+from tests.emulated_graphs import EmulatedGraphs
 from tests.engine_util import bucket, random_prompts
 from tests.numerics import assert_close
 from dflash_batch.backends.flashinfer_attention import capturing
@@ -78,23 +78,16 @@ def test_attend_latent_equals_torch(backend, seqs, causal, window):
     assert_close(got, want, rel=1e-12 if window is None else 1e-6)  # float32 log-sum-exp in the merge
 
 
-class ReplayedGraphs(RoundGraphs):
-    """RoundGraphs on the CPU: a capture runs its warm-ups (they make each size's wrappers, with
-    static buffers); a replay runs the round eagerly as if capturing, so a wrapper that plan_round
-    did not plan (or a layout its buffers cannot hold) fails."""
-
-    def _capture(self, size: int, greedy: bool) -> None:
-        self.step.attention.plan_round(self.batch, size, {"draft": [], "verify": []}, graph=True)
-        for _ in range(2):
-            self.step(self.batch, size, greedy, self.max_kv)
-        self.graphs[(size, greedy)] = None
+class ReplayedGraphs(EmulatedGraphs):
+    """A replay runs the round as if capturing: a wrapper that plan_round did not plan (or a
+    layout its buffers cannot hold) fails."""
 
     def replay(self, size: int, greedy: bool) -> None:
         import dflash_batch.backends.flashinfer_attention as fi
 
         fi.capturing = lambda device: True
         try:
-            self.step(self.batch, size, greedy, self.max_kv)
+            super().replay(size, greedy)
         finally:
             fi.capturing = capturing
 
