@@ -15,7 +15,8 @@ OUT=${1:-${OUT:-/tmp/gpu_check}}
 shift || true
 PARTS=" ${*:-core kimi} "
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=$(nproc) FLASHINFER_WORKSPACE_BASE=$OUT/flashinfer
+# flashinfer's JIT build tree stays off OUT_DIR (what the device tool brings back).
+export PYTHONPATH=$PWD FLASHINFER_CUDA_ARCH_LIST=9.0a MAX_JOBS=$(nproc) FLASHINFER_WORKSPACE_BASE=/tmp/flashinfer_jit
 unset TRITON_INTERPRET
 
 stage() {  # stage NAME SECONDS COMMAND...
@@ -33,12 +34,16 @@ stage install 45 python -m pip install -q --no-index --no-deps .whl/*.whl
 # the Triton kernels are checked against their torch references (and the Kimi-K3 checkpoints,
 # 3 GB of random weights, are written).
 (stage warmup 200 python benchmarks/flashinfer_warmup.py > "$OUT/warmup.json") &
+if want kimi || want kimi_torch; then
+  (stage kimi_checkpoints 200 python benchmarks/kimi_gpu_check.py --dir /tmp/kimi_pair --make-only \
+    > "$OUT/kimi_checkpoints.json") &
+fi
 if want core; then
   stage kernels 150 python -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_moe.py \
     tests/test_kernels_attn_res.py tests/test_kernels_kda.py
 fi
 wait
-cat "$OUT/warmup.json"
+cat "$OUT/warmup.json" "$OUT"/kimi_checkpoints.json 2>/dev/null
 want core && stage gpu_tests 150 python -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py
 if want qwen; then
   stage table_torch 60 python benchmarks/gpu_check.py --backend torch --out "$OUT/table_torch.json"

@@ -53,17 +53,27 @@ def sharded_topk(local: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     return values, merged[..., 1].gather(-1, at).long()
 
 
+def sharded_argmax(local: torch.Tensor) -> torch.Tensor:
+    """Argmax over the whole split last dim, on every rank (a tie goes to the lowest id, as
+    argmax over the whole row)."""
+    return _merged_top1(local, None)[0]
+
+
 def sharded_top1(local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(argmax over the whole split last dim, whether every value of the row is finite) on every
-    rank; a tie goes to the lowest id, as argmax over the whole row. One gather of 3 values a row."""
+    """(sharded_argmax, whether every value of the row is finite on every rank): one gather of
+    3 values a row."""
+    return _merged_top1(local, torch.isfinite(local).all(-1))
+
+
+def _merged_top1(local: torch.Tensor, flag: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     best, ids = local.max(-1)
-    finite = torch.isfinite(local).all(-1)
     if world_size() == 1:
-        return ids, finite
-    triples = torch.stack([best, (ids + rank() * local.shape[-1]).to(best.dtype), finite.to(best.dtype)], -1)
-    merged = all_gather_last(triples).unflatten(-1, (-1, 3))  # [..., ranks, 3], ranks in vocab order
+        return ids, flag
+    columns = [best, (ids + rank() * local.shape[-1]).to(best.dtype)] + ([] if flag is None else [flag.to(best.dtype)])
+    merged = all_gather_last(torch.stack(columns, -1)).unflatten(-1, (-1, len(columns)))  # ranks in vocab order
     at = merged[..., 0].max(-1, keepdim=True).indices  # the first rank holding the maximum
-    return merged[..., 1].gather(-1, at)[..., 0].long(), merged[..., 2].min(-1).values > 0
+    ids = merged[..., 1].gather(-1, at)[..., 0].long()
+    return ids, None if flag is None else merged[..., 2].min(-1).values > 0
 
 
 def any_rank(flag: bool) -> bool:

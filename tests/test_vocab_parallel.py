@@ -1,4 +1,4 @@
-"""Top-1 and top-k over a vocabulary split across tensor-parallel ranks (gloo, 3 CPU ranks)
+"""Argmax, top-1 and top-k over a vocabulary split across tensor-parallel ranks (gloo, 3 CPU ranks)
 == torch's max / topk over the whole row: ties go to the lowest id (argmax's rule) across ranks
 too, a non-finite value on any rank marks the row on every rank, k may exceed a rank's slice."""
 
@@ -33,7 +33,8 @@ def worker(rank: int, port: int, out: str) -> None:
         local = logits()[:, rank * LOCAL:(rank + 1) * LOCAL]
         ids, finite = parallel.sharded_top1(local)
         values, top_ids = parallel.sharded_topk(local[:3], K)  # rows without non-finite values
-        torch.save(dict(ids=ids, finite=finite, values=values, top_ids=top_ids), f"{out}/rank{rank}.pt")
+        torch.save(dict(ids=ids, finite=finite, values=values, top_ids=top_ids, argmax=parallel.sharded_argmax(local)),
+                   f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -47,6 +48,7 @@ def test_sharded_top1_and_topk_equal_whole_row(tmp_path):
         finite_rows = [0, 1, 2, 5]
         assert got["ids"][finite_rows].tolist() == full.max(-1).indices[finite_rows].tolist()
         assert got["ids"][:3].tolist() == [2, 5, 11]
+        assert torch.equal(got["argmax"], got["ids"])
         assert got["finite"].tolist() == torch.isfinite(full).all(-1).tolist() == [True] * 3 + [False] * 2 + [True]
         assert torch.equal(got["values"], want_top.values)
         # Ties sit at the top of rows 0 and 1: compare ids as sets there, in order below them.

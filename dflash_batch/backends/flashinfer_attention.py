@@ -153,9 +153,10 @@ class FlashInferAttention:
             # plan fills each wrapper's pinned host buffer and copies it to the device
             # asynchronously; the previous round's read-back has synchronised, so that copy of
             # the last plan is done before this one overwrites the buffer.
-            if graph:  # a replay calls no Python: plan its wrappers now
+            if graph:  # a replay calls no Python: plan its wrappers now (those of this batch's shape)
+                shape = (name, n, block, batch.tables.shape[1])
                 for key, entry in self.wrappers.items():
-                    if key[0] == name and key[1] == n:
+                    if key[:4] == shape:
                         self._plan(entry, name)
 
     def _set_ring(self, pages: int, sequences: int) -> None:
@@ -175,12 +176,12 @@ class FlashInferAttention:
         entry.plan(layout)
         entry.generation = layout.generation
 
-    def _wrapper(self, name: str, key: tuple, make: Callable[[int | None], _Entry]):
-        """The wrapper of forward `name` under `key`, planned for the forward's current layout;
-        `make(graph rows)` builds it (a captured wrapper's buffers and row count are fixed by
-        its first plan: one per shape)."""
+    def _wrapper(self, name: str, meta: AttnMeta, key: tuple, make: Callable[[int | None], _Entry]):
+        """The wrapper of forward `name` (rows of meta's shape) under `key`, planned for the
+        forward's current layout; `make(graph rows)` builds it (a captured wrapper's buffers and
+        row count are fixed by its first plan: one per shape)."""
         rows = self.graph_rows.get(name)
-        key = (name, rows, *key)
+        key = (name, rows, meta.q_index.shape[1], meta.block_tables.shape[1], *key)
         entry = self.wrappers.get(key)
         if entry is None:
             entry = self.wrappers[key] = make(rows)
@@ -220,9 +221,8 @@ class FlashInferAttention:
                                   paged_kv_last_page_len_buf=b["kv_len_arr"])
             return _Entry(wrapper, lambda layout: wrapper.plan(*layout.paged()[:4], **args))
 
-        key = ("gqa", meta.q_index.shape[1], max_pages, causal, window, scale, q.shape[1], k_cache.shape[1],
-               q.shape[2], q.dtype)
-        wrapper = self._wrapper(meta.name, key, make)
+        key = ("gqa", causal, window, scale, q.shape[1], k_cache.shape[1], q.shape[2], q.dtype, k_cache.dtype)
+        wrapper = self._wrapper(meta.name, meta, key, make)
         paged = (k_cache.view(-1, meta.page_size, *k_cache.shape[1:]),
                  v_cache.view(-1, meta.page_size, *v_cache.shape[1:]))
         return wrapper.run(q.contiguous(), paged)
@@ -257,9 +257,8 @@ class FlashInferAttention:
                               **self._buffers(rows, rows * (window if window else max_pages + 1)))
             return _Entry(wrapper, lambda layout: wrapper.plan(*csr(layout), **args))
 
-        key = ("mla", ring, meta.q_index.shape[1], max_pages, causal, window, scale, q.shape[1], q.shape[2],
-               q.dtype)
-        wrapper = self._wrapper(name, key, make)
+        key = ("mla", ring, causal, window, scale, q.shape[1], q.shape[2], v_width, q.dtype, cache.dtype)
+        wrapper = self._wrapper(name, meta, key, make)
         paged = cache.view(-1, ps, cache.shape[-1])
         q_nope, q_pe, ckv, kpe = q[..., :v_width], q[..., v_width:], paged[..., :v_width], paged[..., v_width:]
         if window is None:

@@ -355,7 +355,7 @@ class DFlashDrafter(nn.Module):
     def propose(self, hidden: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
         """hidden [bs, B, hidden], anchor [bs] -> greedy drafts [bs, B-1] (row 0 is the anchor's own).
         v1 drafts each row independently; the anchor matters only to DFlash2's selector."""
-        return parallel.sharded_top1(self.draft_logits(hidden))[0]
+        return parallel.sharded_argmax(self.draft_logits(hidden))
 
 
 class CandidateSelector(nn.Module):

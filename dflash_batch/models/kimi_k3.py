@@ -242,13 +242,14 @@ class KDA(nn.Module):
     def commit(self, state_ids: torch.Tensor, kept: torch.Tensor) -> None:
         """After a verify: sequence b's committed state advances over its first kept[b] rows,
         replayed from their raw inputs, all sequences at once (no host sync: graph-safe). A row
-        past kept[b] replays with no decay (g = 0) and no write (beta = 0): the state passes it
-        unchanged, so one recurrent pass over every row serves every accepted length."""
+        past kept[b] replays as zeros with no decay (g = 0) and no write (beta = 0): the state
+        passes it unchanged (whatever the rejected row held), so one recurrent pass over every
+        row serves every accepted length."""
         n, rows = len(state_ids), self.staged_raw.shape[1]
         raw, conv = self.staged_raw[:n], self.conv_state[state_ids]
         q, k, v, _ = self._qkv(raw, conv)
         live = torch.arange(rows, device=kept.device) < kept[:, None]  # [n, rows]
-        g = torch.where(live[:, :, None, None], self.staged_g[:n], 0)
+        k, v, g = (torch.where(live[:, :, None, None], t, 0) for t in (k, v, self.staged_g[:n]))
         beta = torch.where(live[:, :, None], self.staged_beta[:n], 0)
         recurrent, _ = kda_kernels(self.state)
         _, after = recurrent(q, k, v, g, beta, self.state[state_ids])
