@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dflash_batch.backends.meta import single_sequence_meta  # noqa: E402
+from dflash_batch.engine.cache import SeqRows, build_meta  # noqa: E402
 from dflash_batch.engine.engine import Engine  # noqa: E402
 from dflash_batch.engine.pair import attach_drafter  # noqa: E402
 from dflash_batch.engine.request import Request, SamplingParams  # noqa: E402
@@ -163,9 +163,7 @@ def main() -> None:
         model.allocate_cache(128, model.embed_tokens.weight.dtype, on)
         if hasattr(model, "allocate_state"):
             model.allocate_state(2, 1, 8, on)
-        meta = single_sequence_meta(len(ids), page_size=16)
-        meta = type(meta)(**{k: (v.to(on) if isinstance(v, torch.Tensor) else v) for k, v in vars(meta).items()})
-        meta.state_ids = torch.tensor([0], device=on)
+        meta = build_meta([SeqRows(list(range(128 // 16)), 0, len(ids), len(ids))], 16, None, on, [0])
         with torch.no_grad():
             return model(ids.to(on), meta)[0].float().cpu()
 
@@ -179,7 +177,7 @@ def main() -> None:
     if a.backend == "flashinfer":
         from dflash_batch.backends.flashinfer_attention import FlashInferAttention
 
-        attention = FlashInferAttention(device, rings=True)
+        attention = FlashInferAttention(device)
     kw = dict(device=device, dtype=dtype, **({"attention": attention} if attention else {}))
     eager = Engine(target, drafter, **kw)
     graphs = Engine(target, drafter, cuda_graphs=cuda, capture_sizes=list(BATCHES), **kw)

@@ -166,13 +166,11 @@ def _load(path: str, dtype: torch.dtype, device: str, role: str):
         raise JobError(f"model.{role} {path}: {e}") from None
 
 
-def _attention(setup: EngineSetup, job: Job):
+def _attention(setup: EngineSetup):
     if setup.backend == "flashinfer":
         from dflash_batch.backends.flashinfer_attention import FlashInferAttention
 
-        # Its MLA path reads the drafter's sliding layers from rings, its GQA path whole caches.
-        drafter = _Checkpoint.read(job.model.drafter, "drafter") if job.model.drafter else None
-        return FlashInferAttention(setup.device, rings=bool(drafter and drafter.mla))
+        return FlashInferAttention(setup.device)
     from dflash_batch.backends.torch_attention import TORCH
 
     return TORCH
@@ -200,7 +198,7 @@ def build_engine(job: Job, tokenizer: Tokenizer, setup: EngineSetup | None = Non
     auto = job.engine.auto_speculation or AutoSpeculationSpec()
     return Engine(target, drafter, tokenizer.decode, page_size=job.engine.page_size,
                   max_num_batched_tokens=job.engine.max_num_batched_tokens, dtype=dtype, device=setup.device,
-                  attention=_attention(setup, job), capture_sizes=setup.capture_sizes, cuda_graphs=setup.cuda_graphs,
+                  attention=_attention(setup), capture_sizes=setup.capture_sizes, cuda_graphs=setup.cuda_graphs,
                   compile=setup.compile, share_prompts=job.engine.share_prompts, log=say,
                   auto_speculation=(auto.min_acc_len, auto.rounds))
 

@@ -38,17 +38,23 @@ def all_gather_last(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def _gathered_candidates(values: torch.Tensor, ids: torch.Tensor, *extra: torch.Tensor) -> torch.Tensor:
+    """Every rank's candidates [..., c] (values, global vocabulary ids, extras) -> [..., ranks * c,
+    2 + len(extra)], ranks in vocabulary order. One gather; ids are exact in the values' float
+    dtype (float32 up to 2^24)."""
+    columns = [values, ids.to(values.dtype), *(e.to(values.dtype) for e in extra)]
+    local = torch.stack(columns, -1)
+    return all_gather_last(local.flatten(-2)).unflatten(-1, (-1, len(columns)))
+
+
 def sharded_topk(local: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest values along the last dim of logits split across ranks (rank r holds the
     vocabulary slice r * V_local ..): (values, global ids), sorted descending. Each rank sends
-    its own top k (values and ids in one tensor), not its slice of the row."""
-    k_local = min(k, local.shape[-1])
-    values, ids = local.topk(k_local, dim=-1)
+    its own top k, not its slice of the row."""
+    values, ids = local.topk(min(k, local.shape[-1]), dim=-1)
     if world_size() == 1:
         return values, ids
-    # Vocabulary ids are exact in the values' float dtype (float32 up to 2^24).
-    pairs = torch.stack([values, (ids + rank() * local.shape[-1]).to(values.dtype)], dim=-1)
-    merged = all_gather_last(pairs.flatten(-2)).unflatten(-1, (-1, 2))  # [..., ranks * k_local, 2]
+    merged = _gathered_candidates(values, ids + rank() * local.shape[-1])
     values, at = merged[..., 0].topk(min(k, merged.shape[-2]), dim=-1)
     return values, merged[..., 1].gather(-1, at).long()
 
@@ -69,8 +75,8 @@ def _merged_top1(local: torch.Tensor, flag: torch.Tensor | None) -> tuple[torch.
     best, ids = local.max(-1)
     if world_size() == 1:
         return ids, flag
-    columns = [best, (ids + rank() * local.shape[-1]).to(best.dtype)] + ([] if flag is None else [flag.to(best.dtype)])
-    merged = all_gather_last(torch.stack(columns, -1)).unflatten(-1, (-1, len(columns)))  # ranks in vocab order
+    merged = _gathered_candidates(best[..., None], (ids + rank() * local.shape[-1])[..., None],
+                                  *([] if flag is None else [flag[..., None]]))   # [..., ranks, 2 | 3]
     at = merged[..., 0].max(-1, keepdim=True).indices  # the first rank holding the maximum
     ids = merged[..., 1].gather(-1, at)[..., 0].long()
     return ids, None if flag is None else merged[..., 2].min(-1).values > 0

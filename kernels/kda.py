@@ -12,18 +12,21 @@ machines without it never import it (`available`).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
 
 
+@functools.cache
 def available() -> bool:
+    """fla-core is installed (asked once: the model asks on every KDA layer's forward)."""
     return importlib.util.find_spec("fla") is not None
 
 
-def _batched(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """fla takes [B, T, ...]: a single sequence [T, ...] gets a batch dim of 1."""
-    return tuple(x.unsqueeze(0).contiguous() for x in xs)
+def _fla_layout(single: bool, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """fla takes contiguous float32 [B, T, ...]: a single sequence [T, ...] gets a batch dim of 1."""
+    return tuple((x.unsqueeze(0) if single else x).to(torch.float32).contiguous() for x in xs)
 
 
 def recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -31,18 +34,15 @@ def recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
     single = q.dim() == 3
-    if single:
-        q, k, v, g, beta = _batched(q, k, v, g, beta)
-        state = None if state is None else state.unsqueeze(0)
-    f32 = torch.float32
-    q, k, v, g, beta = (x.to(f32).contiguous() for x in (q, k, v, g, beta))
+    q, k, v, g, beta = _fla_layout(single, q, k, v, g, beta)
     if state is None:
         state = q.new_zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[3])
+    else:
+        state, = _fla_layout(single, state)
     # The kernel reads the start state and writes the final one to a new tensor (the caller
     # decides whether it is committed); o is written in float32, as the torch path returns it.
-    out, final = fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=state.to(f32).contiguous(),
-                                         output_final_state=True, inplace_final_state=False,
-                                         out=torch.empty_like(v))
+    out, final = fused_recurrent_kda_fwd(q, k, v, g, beta, initial_state=state, output_final_state=True,
+                                         inplace_final_state=False, out=torch.empty_like(v))
     return (out[0], final[0]) if single else (out, final)
 
 
@@ -51,7 +51,7 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     """One sequence [T, H, .] from `state` [H, K, V]."""
     from fla.ops.kda import chunk_kda
 
-    q, k, v, g, beta = (x.to(torch.float32) for x in _batched(q, k, v, g, beta))
-    initial = None if state is None else state.unsqueeze(0).to(torch.float32).contiguous()
+    q, k, v, g, beta = _fla_layout(True, q, k, v, g, beta)
+    initial = None if state is None else _fla_layout(True, state)[0]
     out, final = chunk_kda(q, k, v, g, beta, initial_state=initial, output_final_state=True)
-    return out[0].to(torch.float32), final[0]
+    return out[0], final[0]

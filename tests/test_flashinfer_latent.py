@@ -38,7 +38,7 @@ def backend(monkeypatch):
     fake_flashinfer.install(monkeypatch)
     from dflash_batch.backends.flashinfer_attention import FlashInferAttention
 
-    return lambda rings=False: FlashInferAttention("cpu", rings=rings, workspace_bytes=1024)
+    return lambda rings=False: FlashInferAttention("cpu", latent_rings=rings, workspace_bytes=1024)
 
 
 def scattered_meta(seqs: list[tuple[int, int]], page: int, device: str, seed: int = 0) -> AttnMeta:

@@ -28,7 +28,8 @@ WINDOW = 8
 class WholeCaches(TorchAttention):
     """The torch backend with sliding layers kept whole (as a backend without rings runs them)."""
 
-    rings = False
+    def reads_rings(self, latent: bool) -> bool:
+        return False
 
 
 def sliding_caches(drafter) -> list[torch.Tensor]:

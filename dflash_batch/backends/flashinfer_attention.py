@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dflash_batch.backends.flashinfer_latent import edge_strip, merge
+from dflash_batch.backends.flashinfer_latent import edge_strip
 from dflash_batch.backends.meta import AttnMeta
+from dflash_batch.backends.torch_attention import merge_attention
 from kernels.scatter import scatter_triton
 
 RING = ".ring"  # AttnMeta.ring_view names a forward's ring view `<name>.ring`
@@ -108,15 +109,13 @@ class _Entry:
 class FlashInferAttention:
     name = "flashinfer"
 
-    def __init__(self, device: torch.device | str, rings: bool = False, workspace_bytes: int = 256 << 20):
-        """`rings`: the drafter's sliding layers keep rings (AttnMeta.ring_view). Only the latent
-        (MLA) path reads them: a GQA drafter's sliding layers keep whole caches here, their
-        window masked by flashinfer, not cut."""
+    def __init__(self, device: torch.device | str, latent_rings: bool = True, workspace_bytes: int = 256 << 20):
+        """`latent_rings` False: MLA drafters' sliding layers keep whole caches too (tests)."""
         import flashinfer
 
         self.flashinfer = flashinfer
         self.device = torch.device(device)
-        self.rings = rings
+        self.latent_rings = latent_rings
         # One float workspace for every wrapper: forwards run one after another on one stream.
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
         self.layouts: dict[str, _Layout] = {}
@@ -126,6 +125,11 @@ class FlashInferAttention:
         self.ring_scratch = 0     # the ring caches' scratch page (padding sequences read it)
         self.scratch_page = 0     # the other caches' scratch page
         self.generation = 0
+
+    def reads_rings(self, latent: bool) -> bool:
+        """The latent (MLA) path reads rings; a GQA drafter's sliding layers keep whole caches
+        here, their window masked by flashinfer, not cut."""
+        return latent and self.latent_rings
 
     # -- host side, outside any graph ----------------------------------------------------------
     def plan(self, meta: AttnMeta) -> None:
@@ -204,7 +208,7 @@ class FlashInferAttention:
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
                scale: float, causal: bool = True, window: int | None = None) -> torch.Tensor:
         if meta.name.endswith(RING):
-            raise ValueError("flashinfer's GQA path reads whole caches, not rings (build it with rings=False)")
+            raise ValueError("flashinfer's GQA path reads whole caches, not rings (reads_rings(latent=False))")
         max_pages = meta.block_tables.shape[1]
         args = dict(num_qo_heads=q.shape[1], num_kv_heads=k_cache.shape[1], head_dim_qk=q.shape[2],
                     page_size=meta.page_size, causal=causal, sm_scale=scale,
@@ -264,5 +268,4 @@ class FlashInferAttention:
         if window is None:
             return wrapper.run(q_nope, q_pe, ckv, kpe)
         out, lse = wrapper.run(q_nope, q_pe, ckv, kpe, return_lse=True, return_lse_base_on_e=True)
-        strip_out, strip_lse = edge_strip(q, cache, v_width, meta, scale, window)
-        return merge(out, lse, strip_out, strip_lse).to(q.dtype)
+        return merge_attention(out, lse[..., None], *edge_strip(q, cache, v_width, meta, scale, window))[0].to(q.dtype)

@@ -26,7 +26,10 @@ class AttentionBackend(Protocol):
     read host-side lengths; `write` and `attend` run inside one."""
 
     name: str
-    rings: bool  # reads sliding-window layers' ring caches (AttnMeta.ring_view)
+
+    def reads_rings(self, latent: bool) -> bool:
+        """Whether a drafter's sliding layers may keep ring caches (AttnMeta.ring_view) here:
+        latent (MLA) layers, or GQA ones."""
 
     def plan(self, meta: AttnMeta) -> None:
         """Prepare a forward whose metadata was built on the host (prefill chunks)."""

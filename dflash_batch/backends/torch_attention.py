@@ -94,7 +94,9 @@ def _folded_mask(meta: AttnMeta, causal: bool, window: int | None, group: int, d
 
 class TorchAttention:
     name = "torch"
-    rings = True
+
+    def reads_rings(self, latent: bool) -> bool:
+        return True
 
     def plan(self, meta: AttnMeta) -> None:
         """Nothing to prepare: masks and key slots are computed on first use in each forward."""
@@ -168,10 +170,9 @@ def _blocked(q: torch.Tensor, keys: Callable[..., tuple[torch.Tensor, torch.Tens
     """Attention of folded queries q [bs, kv_heads, group * q_max, d] over the keys `block` at a
     time: each block's softmax-weighted values and log-sum-exp, merged as they come (in at least
     float32): memory in the block, not in the context."""
-    wide = torch.promote_types(q.dtype, torch.float32)
     bs, kv_heads, rows, _ = q.shape
-    total = q.new_full((bs, kv_heads, rows, 1), float("-inf"), dtype=wide)  # log-sum-exp so far
-    acc = None
+    total = q.new_full((bs, kv_heads, rows, 1), float("-inf"), dtype=torch.promote_types(q.dtype, torch.float32))
+    acc = None  # the attention over the blocks so far; `total` its log-sum-exp
     # Keys before every sequence's first query are visible to all of a causal forward's queries:
     # those blocks need no mask (in a long prefill chunk, all but the chunk's own few).
     seen_by_all = meta.min_start if causal and window is None and span.first is None else 0
@@ -179,16 +180,24 @@ def _blocked(q: torch.Tensor, keys: Callable[..., tuple[torch.Tensor, torch.Tens
         stop = min(start + block, span.count)
         k, v = keys(span, start, stop)
         visible = None if stop <= seen_by_all else visible_mask(meta, causal, window, span, start, stop)
-        part, lse = _block_attention(q, k.transpose(1, 2), v.transpose(1, 2), visible, group, scale)
-        merged = torch.logaddexp(total, lse)
-        anchor = merged.masked_fill(merged == float("-inf"), 0.0)  # a row that saw no key yet
-        part = part.to(wide) * (lse - anchor).exp()
-        acc = part if acc is None else acc * (total - anchor).exp() + part
-        total = merged
+        part, lse = block_attention(q, k.transpose(1, 2), v.transpose(1, 2), visible, group, scale)
+        acc, total = (part, lse) if acc is None else merge_attention(acc, total, part, lse)
     return acc.to(q.dtype)
 
 
-def _block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None,
+def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                    lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over two disjoint sets of keys -> over their union: (out, log-sum-exp), in at
+    least float32. The log-sum-exps (natural) broadcast against the outputs; a row that sees no
+    key in either set keeps out 0 and log-sum-exp -inf."""
+    wide = torch.promote_types(out_a.dtype, torch.float32)
+    merged = torch.logaddexp(lse_a.to(wide), lse_b.to(wide))
+    anchor = merged.masked_fill(merged == float("-inf"), 0.0)  # a row that saw no key yet
+    out = out_a.to(wide) * (lse_a - anchor).exp() + out_b.to(wide) * (lse_b - anchor).exp()
+    return out, merged
+
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None,
                      group: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of folded queries q [bs, h, group * q_max, d] over k, v [bs, h, keys,
     d | dv] where `visible` [bs, q_max, keys] (None: everywhere): (out, log-sum-exp [bs, h, rows,

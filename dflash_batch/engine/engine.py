@@ -264,7 +264,8 @@ class Engine:
         if block > 1:
             # The drafter's sliding layers keep a ring of their window where the backend reads
             # one and the window is shorter than the bucket's rows.
-            ring_pages = self.drafter.ring_pages(block, self.page_size) if self.attention.rings else None
+            reads = self.attention.reads_rings(self.drafter.latent)
+            ring_pages = self.drafter.ring_pages(block, self.page_size) if reads else None
             ring = Ring(ring_pages) if ring_pages is not None and ring_pages < pages_per_row else None
             cache_bytes += self.drafter.allocate_cache(num_slots, self.dtype, self.device,
                                                        ring.slots(seqs, self.page_size) if ring else None)

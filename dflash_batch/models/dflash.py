@@ -262,6 +262,7 @@ class DFlashDrafter(nn.Module):
         attention = {"gqa": DFlashAttention, "mla": DFlashMLAAttention}.get(mode)
         if attention is None:
             raise ValueError(f"unknown dflash attention_mode {mode!r}")
+        self.latent = mode == "mla"  # its attention reads a latent cache (MLA)
         if config.get("hidden_act", "silu") != "silu":
             raise NotImplementedError(f"hidden_act={config['hidden_act']!r} is not supported")
         self.mask_token_id: int = draft_value(config, "mask_token_id")
