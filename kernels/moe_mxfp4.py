@@ -84,15 +84,17 @@ def moe_mxfp4_torch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         up = torch.nn.functional.linear(xe, dequant_mxfp4(w3[e], w3_scale[e], x.dtype))
         return torch.nn.functional.linear(situ(gate, up, beta, linear_beta), dequant_mxfp4(w2[e], w2_scale[e], x.dtype))
 
-    return routed_sum(x, ids, weights, w2.shape[1], expert)
+    return routed_sum(x, ids, weights, w2.shape[1], w1.shape[0], expert)
 
 
-def routed_sum(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, width: int,
+def routed_sum(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, width: int, experts: int,
                expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """sum_j weights[t, j] * expert(ids[t, j], x_t) [T, width], one expert at a time in
-    ascending order, summed in x's dtype (LatentMoE's order, whatever its experts are stored as)."""
+    """sum_j weights[t, j] * expert(ids[t, j], x_t) [T, width] over ids in [0, experts), one expert
+    at a time in ascending order, summed in x's dtype (LatentMoE's order, whatever its experts are
+    stored as). Only the experts chosen run: it groups rows by expert on the host."""
     out = x.new_zeros(x.shape[0], width)
-    for e in ids.unique().tolist():
+    rows_per_expert = torch.bincount(ids.flatten(), minlength=experts).tolist()
+    for e in (e for e, n in enumerate(rows_per_expert) if n):
         rows, slot = (ids == e).nonzero(as_tuple=True)
         out.index_add_(0, rows, expert(e, x[rows]) * weights[rows, slot, None])
     return out
@@ -236,7 +238,8 @@ def _tiles(ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor,
     real count) and its [begin, end) rows (end: the expert's last row + 1)."""
     flat = ids.reshape(-1)
     pair = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=experts)
+    # Not bincount: on CUDA it reads the ids' range back to the host (a sync, refused in a capture).
+    counts = torch.zeros(experts, dtype=torch.long, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
     ends = counts.cumsum(0)
     tiles = (counts + block_m - 1) // block_m
     tile_ends = tiles.cumsum(0)

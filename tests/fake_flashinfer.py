@@ -22,6 +22,8 @@ import types
 
 import torch
 
+from tests.emulated_graphs import kernel
+
 
 class BatchMLAPagedAttentionWrapper:
     def __init__(self, float_workspace_buffer: torch.Tensor, use_cuda_graph: bool = False, qo_indptr=None,
@@ -47,6 +49,7 @@ class BatchMLAPagedAttentionWrapper:
                          scale=sm_scale, q_dtype=q_data_type, kv_dtype=kv_data_type)
         self.plans += 1
 
+    @kernel  # one device kernel: a captured round records the call; its replay reads the planned buffers
     def run(self, q_nope, q_pe, ckv_cache, kpe_cache, out=None, lse=None, return_lse=False, profiler_buffer=None,
             kv_len=None, page_table=None, return_lse_base_on_e=False):
         a = self.args

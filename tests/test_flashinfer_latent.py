@@ -18,15 +18,14 @@ import torch
 from dflash_batch.backends.meta import AttnMeta
 from dflash_batch.backends.torch_attention import TORCH
 from dflash_batch.engine import engine as engine_module
-from dflash_batch.engine.cache import SeqRows, build_meta
 from dflash_batch.engine.engine import Engine
 from dflash_batch.engine.request import Request, SamplingParams
 from dflash_batch.testing import kimi_pair
 from tests import fake_flashinfer
+from tests.paged_layouts import scattered_meta
 from tests.emulated_graphs import EmulatedGraphs
 from tests.engine_util import bucket, random_prompts
 from tests.numerics import assert_close
-from dflash_batch.backends.flashinfer_attention import capturing
 
 pytestmark = pytest.mark.numerics
 F64 = torch.float64
@@ -39,18 +38,6 @@ def backend(monkeypatch):
     from dflash_batch.backends.flashinfer_attention import FlashInferAttention
 
     return lambda rings=False: FlashInferAttention("cpu", latent_rings=rings, workspace_bytes=1024)
-
-
-def scattered_meta(seqs: list[tuple[int, int]], page: int, device: str, seed: int = 0) -> AttnMeta:
-    """A forward of (query rows, context before them) per sequence, each on its own pages
-    scattered over 64."""
-    pages = torch.randperm(64, generator=torch.Generator().manual_seed(seed)).tolist()
-    rows, used = [], 0
-    for new, ctx in seqs:
-        n = -(-(new + ctx) // page)
-        rows.append(SeqRows(pages[used:used + n], ctx, new, ctx + new))
-        used += n
-    return build_meta(rows, page, None, device, name="forward")
 
 
 def case(seqs: list[tuple[int, int]], seed: int) -> tuple[torch.Tensor, torch.Tensor, AttnMeta]:
@@ -76,20 +63,6 @@ def test_attend_latent_equals_torch(backend, seqs, causal, window):
     want = TORCH.attend_latent(q, cache, KL, meta, 0.3, causal, window)
     assert got.dtype == q.dtype and got.shape == want.shape
     assert_close(got, want, rel=1e-12 if window is None else 1e-6)  # float32 log-sum-exp in the merge
-
-
-class ReplayedGraphs(EmulatedGraphs):
-    """A replay runs the round as if capturing: a wrapper that plan_round did not plan (or a
-    layout its buffers cannot hold) fails."""
-
-    def replay(self, size: int, greedy: bool) -> None:
-        import dflash_batch.backends.flashinfer_attention as fi
-
-        fi.capturing = lambda device: True
-        try:
-            super().replay(size, greedy)
-        finally:
-            fi.capturing = capturing
 
 
 def outcomes(engine: Engine, sampling: dict) -> dict:
@@ -125,7 +98,7 @@ def test_kimi_pair_on_flashinfer_equals_torch(backend, kimi, monkeypatch, rings,
     sampling = dict(temperature=1.0, top_p=0.9)
     want = outcomes(Engine(*kimi, dtype=F64), sampling)
     if graphs:
-        monkeypatch.setattr(engine_module, "RoundGraphs", ReplayedGraphs)
+        monkeypatch.setattr(engine_module, "RoundGraphs", EmulatedGraphs)
     fi = backend(rings)
     got = outcomes(Engine(*kimi, dtype=F64, attention=fi, cuda_graphs=graphs, capture_sizes=[2, 4] if graphs else None),
                    sampling)

@@ -107,7 +107,7 @@ def test_flashinfer_latent_matches_torch(seqs, causal, window):
     wrapper == the torch backend on the same cache (tests/test_flashinfer_latent.py checks the
     same cases on the CPU with the wrapper emulated)."""
     from dflash_batch.backends.flashinfer_attention import FlashInferAttention
-    from tests.test_flashinfer_latent import scattered_meta
+    from tests.paged_layouts import scattered_meta
 
     page, g = 16, torch.Generator(device="cuda").manual_seed(len(seqs))
     meta = scattered_meta(seqs, page, "cuda")

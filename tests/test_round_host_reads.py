@@ -1,96 +1,104 @@
-"""A decode round reads no tensor value on the host: what CUDA-graph capture needs (a captured
-round replays without Python, so a value read on the host would be the capture's forever).
+"""A decode round waits on nothing from the host: what CUDA-graph capture needs (a captured round
+replays without Python, and a sync inside a capture is refused).
 
-The round (draft, verify, choose, accept, context, commit) runs with every host read of a tensor
-(`tolist`, `item`, `bool`, `int`, `float`, `index`) raising, for Qwen3 + DFlash2 and for Kimi-K3 +
-DFlash2-MLA with MXFP4 experts. On the CPU the packed experts run through the torch reference,
-which groups rows by expert on the host; here it is swapped for a grouping over every expert id
-(kernels/moe_mxfp4.py's Triton kernel, the GPU path, groups on the device: nothing to swap).
-Prefill is not captured and may read what it likes."""
+The round runs with the GPU's code paths selected on the CPU (kernels/'s Triton kernels under
+TRITON_INTERPRET=1: sampling, acceptance, the MXFP4 MoE, AttnRes, cache scatter; fla's recurrent
+KDA kernel; flashinfer's MLA wrapper through tests/fake_flashinfer.py) inside
+tests/emulated_graphs.py's guard, as the engine's graph path captures it (the guard refuses every op whose result's shape or a returned
+scalar depends on tensor values, bool-mask indexing, and copies to the host), then replayed. Kernel bodies (the
+interpreter, the wrapper's emulation) are the device's and run unguarded. Both families, greedy
+and sampled with logprobs, penalties and logit bias. Prefill is not captured and may read what
+it likes."""
 
 from __future__ import annotations
-
-import contextlib
 
 import pytest
 import torch
 
-import kernels.moe_mxfp4
+import dflash_batch.models.layers.kda as kda_layer
+import kernels
+import kernels.kda
 from dflash_batch.engine.engine import Engine
 from dflash_batch.engine.request import Request, SamplingParams
-from dflash_batch.engine.round import Round
+from dflash_batch.engine import engine as engine_module
 from dflash_batch.testing import kimi_pair
+from tests import fake_flashinfer
+from tests.emulated_graphs import EmulatedGraphs, HostSync, refuse_host_syncs
 from tests.engine_util import bucket, load_pair, make_drafter, make_target, random_prompts
 
-HOST_READS = ("tolist", "item", "__bool__", "__int__", "__float__", "__index__")
+pytestmark = pytest.mark.skipif(not kernels._triton.available(), reason="needs Triton (its interpreter)")
+
+SAMPLING = {"greedy": {},
+            "sampled": dict(temperature=1.0, top_p=0.9, top_k=20, repetition_penalty=1.2, presence_penalty=0.3,
+                            logit_bias=((3, 2.0), (5, -1.0)), logprobs=2)}
+WANT = {"greedy": (True, False, False, False), "sampled": (False, True, True, True)}  # a replay of this kind ran
 
 
-class HostRead(AssertionError):
-    pass
+@pytest.fixture()
+def gpu_paths(monkeypatch):
+    """The kernels a CUDA device would run, here on the CPU."""
+    monkeypatch.setattr(kernels, "ops", lambda device: kernels.TRITON)
+    monkeypatch.setattr(kda_layer, "kda_kernels", lambda state: (kernels.kda.recurrent, kda_layer.kda_chunked))
 
 
-@contextlib.contextmanager
-def no_host_reads():
-    saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+class CountedGraphs(EmulatedGraphs):
+    """Captures under the guard (tests/emulated_graphs.py's Capture refuses host syncs) and notes
+    what each replay's batch held: (greedy, logit bias, penalty counts, logprobs)."""
+    replays: list[tuple[bool, bool, bool, bool]] = []
 
-    def refuse(name):
-        def read(self, *args, **kwargs):
-            raise HostRead(f"Tensor.{name} inside a round")
-        return read
-
-    try:
-        for name in HOST_READS:
-            setattr(torch.Tensor, name, refuse(name))
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(torch.Tensor, name, fn)
+    def replay(self, size: int, greedy: bool) -> None:
+        b = self.batch
+        self.replays.append((greedy, b.bias is not None, b.counts is not None, b.token_logprob is not None))
+        super().replay(size, greedy)
 
 
-def rounds_without_host_reads(monkeypatch, target, drafter, vocab: int, sampling: dict) -> int:
-    """Generate with every Round.run under no_host_reads; the number of rounds run."""
-    run, count = Round.run, []
-
-    def guarded(self, *args):
-        with no_host_reads():
-            run(self, *args)
-        count.append(1)
-
-    monkeypatch.setattr(Round, "run", guarded)
-    reqs = [Request((str(i), 0), p, SamplingParams(max_new_tokens=12, seed=i, **sampling))
-            for i, p in enumerate(random_prompts([3, 20, 9], vocab=vocab, seed=2))]
-    done = list(Engine(target, drafter, capture_sizes=[2, 4]).generate(iter(reqs), bucket(max_num_seqs=3)))
-    assert len(done) == 3 and all(c.finish_reason == "length" for c in done)
-    return len(count)
+def captured_rounds(monkeypatch, target, drafter, vocab: int, sampling: dict, **engine) -> set[tuple]:
+    """Two buckets through the engine's graph path, captures guarded (the second bucket's batch
+    holds from its start what the first one's requests grew: bias, counts, logprobs); what the
+    replays' batches held."""
+    monkeypatch.setattr(engine_module, "RoundGraphs", CountedGraphs)
+    monkeypatch.setattr(CountedGraphs, "replays", [])
+    e = Engine(target, drafter, cuda_graphs=True, capture_sizes=[2, 4], **engine)
+    for seed in (2, 3):
+        reqs = [Request((str(i), seed), p, SamplingParams(max_new_tokens=10, seed=i, **sampling))
+                for i, p in enumerate(random_prompts([3, 20, 9, 5], vocab=vocab, seed=seed))]
+        done = list(e.generate(iter(reqs), bucket(max_num_seqs=4)))
+        assert len(done) == 4 and all(c.finish_reason == "length" for c in done), [c.error for c in done]
+    return set(CountedGraphs.replays)
 
 
-SAMPLING = {"greedy": {}, "sampled": dict(temperature=1.0, top_p=0.9, repetition_penalty=1.2)}
+@pytest.mark.parametrize("op", [
+    lambda x: torch.bincount(x), lambda x: x.nonzero(), lambda x: x.unique(), lambda x: x[x > 1],
+    lambda x: x.masked_select(x > 1), lambda x: x.sum().item(), lambda x: bool(x[0]), lambda x: x.tolist(),
+    lambda x: x.cpu(), lambda x: x.numpy(), lambda x: torch.repeat_interleave(x, x), lambda x: torch.equal(x, x),
+], ids=["bincount", "nonzero", "unique", "bool_mask", "masked_select", "item", "bool", "tolist", "cpu", "numpy",
+        "repeat_interleave", "equal"])
+def test_the_guard_refuses(op):
+    with pytest.raises(HostSync), refuse_host_syncs():
+        op(torch.tensor([1, 2, 3]))
 
 
-def test_the_guard_catches_a_host_read():
-    with pytest.raises(HostRead), no_host_reads():
-        torch.ones(2).sum().item()
+def test_the_guard_allows_what_a_graph_holds():
+    x = torch.tensor([1, 2, 3])
+    with refuse_host_syncs():
+        x[torch.tensor([2, 0])] += 1
+        torch.repeat_interleave(x, x, output_size=8)
+        torch.where(x > 1, x, 0).argsort()
 
 
 @pytest.mark.parametrize("sampling", SAMPLING)
-def test_qwen3_round(tmp_path, monkeypatch, sampling):
+def test_qwen3_round(tmp_path, monkeypatch, gpu_paths, sampling):
     make_drafter(tmp_path / "drafter", 2, sliding=True, window=6)
     target, drafter = load_pair(make_target(tmp_path / "target"), tmp_path / "drafter", torch.float32)
-    assert rounds_without_host_reads(monkeypatch, target, drafter, 8, SAMPLING[sampling]) > 3
+    assert WANT[sampling] in captured_rounds(monkeypatch, target, drafter, 8, SAMPLING[sampling])
 
 
 @pytest.mark.parametrize("sampling", SAMPLING)
-def test_kimi_round(tmp_path, monkeypatch, sampling):
-    target_dir, drafter_dir = kimi_pair.make_kimi_pair(tmp_path)
-    target, drafter = kimi_pair.load_pair(target_dir, drafter_dir)
-    experts = target.config["num_experts"]
+def test_kimi_round(tmp_path, monkeypatch, gpu_paths, sampling):
+    fake_flashinfer.install(monkeypatch)
+    from dflash_batch.backends.flashinfer_attention import FlashInferAttention
 
-    def every_expert(x, ids, weights, width, expert):  # routed_sum without the host-side grouping
-        out = x.new_zeros(x.shape[0], width)
-        for e in range(experts):
-            w = (weights * (ids == e)).sum(-1, keepdim=True)
-            out += w * expert(e, x)
-        return out
-
-    monkeypatch.setattr(kernels.moe_mxfp4, "routed_sum", every_expert)
-    assert rounds_without_host_reads(monkeypatch, target, drafter, kimi_pair.VOCAB, SAMPLING[sampling]) > 3
+    target, drafter = kimi_pair.load_pair(*kimi_pair.make_kimi_pair(tmp_path, window=10))
+    attention = FlashInferAttention("cpu", latent_rings=True, workspace_bytes=1024)
+    assert WANT[sampling] in captured_rounds(monkeypatch, target, drafter, kimi_pair.VOCAB, SAMPLING[sampling],
+                                             attention=attention)

@@ -43,7 +43,13 @@ class RoundGraphs:
                 self.step(self.batch, size, greedy, self.max_kv)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.step(self.batch, size, greedy, self.max_kv)
+        mode = torch.cuda.get_sync_debug_mode()
+        with torch.cuda.graph(graph, pool=self.pool):  # (entering it synchronizes the device)
+            # A sync inside a capture fails it anyway; this names the op that synced.
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                self.step(self.batch, size, greedy, self.max_kv)
+            finally:
+                torch.cuda.set_sync_debug_mode(mode)
         self.pool = graph.pool()
         self.graphs[(size, greedy)] = graph

@@ -62,7 +62,7 @@ class DenseExperts(nn.ModuleList):
     """Routed experts stored in the compute dtype, applied one expert at a time."""
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return routed_sum(x, ids, weights, x.shape[-1], lambda e, xe: self[e](xe))
+        return routed_sum(x, ids, weights, x.shape[-1], len(self), lambda e, xe: self[e](xe))
 
 
 class Router(nn.Module):
