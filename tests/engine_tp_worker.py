@@ -24,49 +24,54 @@ from tests.emulated_graphs import EmulatedGraphs
 
 
 def generate(target_dir: str, drafter_dir: str, prompts: list[list[int]], sampling: dict,
-             graphs: bool = False) -> list[dict]:
+             graphs: bool = False, device: str = "cpu") -> list[dict]:
     """Speculative decoding of every prompt (seed 1000 + index): tokens and accepted drafts per round.
     The target taps the drafter's layers on the drafter's aux_hidden_stream, as build_engine does.
-    `graphs`: rounds go through the engine's graph path, captures and replays emulated."""
+    `graphs`: rounds go through the engine's graph path, captured and replayed as CUDA graphs on a
+    GPU, emulated on the CPU."""
     # float64: the ranks sum partial products in another order than one process; in float32
     # that could round a near-tie apart.
-    target, drafter = load_model(target_dir, torch.float64), load_model(drafter_dir, torch.float64)
+    target, drafter = load_model(target_dir, torch.float64, device), load_model(drafter_dir, torch.float64, device)
     attach_drafter(target, drafter)
     reqs = [Request((str(i), 0), p, SamplingParams(seed=1000 + i, **sampling)) for i, p in enumerate(prompts)]
     bucket = Bucket(0, "0-1024", 1024, 16, True, None)
-    engine_module.RoundGraphs = EmulatedGraphs if graphs else RoundGraphs
+    engine_module.RoundGraphs = EmulatedGraphs if graphs and device == "cpu" else RoundGraphs
     graph_args = dict(cuda_graphs=True, capture_sizes=[1, 2, 4, 16]) if graphs else {}
-    done = {c.key: c for c in Engine(target, drafter, dtype=torch.float64, **graph_args).generate(reqs, bucket)}
+    done = {c.key: c for c in Engine(target, drafter, dtype=torch.float64, device=device, **graph_args).generate(reqs, bucket)}
     return [dict(tokens=done[r.key].token_ids, per_round=done[r.key].spec.per_round) for r in reqs]
 
 
 def run(rank: int, world_size: int, port: int, target_dir: str, drafter_dir: str,
-        prompts: list[list[int]], runs: dict[str, dict], out_dir: str, graphs: bool = False) -> None:
+        prompts: list[list[int]], runs: dict[str, dict], out_dir: str, graphs: bool = False,
+        device: str = "cpu") -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)  # two ranks share a small CPU
+    if device == "cuda":
+        torch.cuda.set_device(rank)  # before the group: NCCL binds to the current GPU
     # Ranks that diverge (different rounds, different shapes) fail their next collective; the
     # timeout turns a rank left waiting into an error instead of a hung test.
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=60))
     try:
-        results = {name: generate(target_dir, drafter_dir, prompts, s, graphs) for name, s in runs.items()}
+        results = {name: generate(target_dir, drafter_dir, prompts, s, graphs, device) for name, s in runs.items()}
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
 def assert_tp2_equals_tp1(target_dir: str, drafter_dir: str, prompts: list[list[int]], runs: dict[str, dict],
-                          out_dir: str, port: int, graphs: bool = False) -> None:
-    """Decode in this process, then on two gloo ranks (`graphs`: through the graph path,
-    emulated): both ranks must give the same tokens and accepted drafts per round, for every
-    sampling setting in `runs`."""
+                          out_dir: str, port: int, graphs: bool = False, device: str = "cpu") -> None:
+    """Decode in this process, then on two ranks (gloo on the CPU, NCCL on two GPUs; `graphs`:
+    through the graph path): both ranks must give the same tokens and accepted drafts per round,
+    for every sampling setting in `runs`."""
     import torch.multiprocessing as mp
 
     args = (target_dir, drafter_dir, prompts, runs)
-    expected = {name: generate(*args[:3], s) for name, s in runs.items()}
+    expected = {name: generate(*args[:3], s, device=device) for name, s in runs.items()}
     assert any(n for r in expected["greedy"] for n in r["per_round"]), "no draft accepted"
-    mp.spawn(run, args=(2, port, *args, out_dir, graphs), nprocs=2)
+    mp.spawn(run, args=(2, port, *args, out_dir, graphs, device), nprocs=2)
     for rank in range(2):
-        got = torch.load(Path(out_dir) / f"rank{rank}.pt")
+        got = torch.load(Path(out_dir) / f"rank{rank}.pt", map_location="cpu")
         for name in runs:
             assert got[name] == expected[name], f"rank {rank}, {name}"

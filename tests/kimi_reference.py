@@ -1,4 +1,4 @@
-"""An fp64 oracle of the Kimi-K3 text model, written from /work/shared/reference/kimi_k3_target.md.
+"""An fp64 oracle of the Kimi-K3 text model, written from ../shared/reference/kimi_k3_target.md.
 
 Independent of the engine: it imports nothing from dflash_batch and reads the checkpoint with
 safetensors itself (dequantizing MXFP4 experts itself). It runs the whole sequence from position 0

@@ -238,3 +238,20 @@ def test_kimi_speculative_greedy_equals_target_greedy_under_graphs(kimi):
     spec = kimi_outcomes(engine)
     plain = kimi_outcomes(engine, speculation=False)
     assert {k: v[0] for k, v in spec.items()} == {k: v[0] for k, v in plain.items()}
+
+
+# -- two GPUs: TP2 over NCCL ------------------------------------------------------------------------
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_tp2_nccl_matches_tp1(pair, tmp_path):
+    """The Qwen3 pair on two ranks over NCCL, rounds captured as CUDA graphs (all-reduces inside
+    them) == one GPU eager: the same tokens and accepted drafts per round, greedy and sampled."""
+    import socket
+
+    from tests import engine_tp_worker
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    runs = {"greedy": dict(max_new_tokens=24), "sampled": dict(max_new_tokens=24, temperature=1.0, top_p=0.95)}
+    engine_tp_worker.assert_tp2_equals_tp1(str(pair[0]), str(pair[1]), prompts(6), runs, str(tmp_path), port,
+                                           graphs=True, device="cuda")

@@ -25,8 +25,7 @@ from tests.jobs_util import read_out
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = [os.environ.get("LOCAL_SLURM_SCRIPT", ""), ROOT.parent / "shared/slurm/local-slurm.sh",
-           Path("/work/shared/slurm/local-slurm.sh")]
+SCRIPTS = [os.environ.get("LOCAL_SLURM_SCRIPT", ""), ROOT.parent / "shared/slurm/local-slurm.sh"]
 DEMO_ROWS, SAMPLES = 72, 3
 
 

@@ -1,6 +1,6 @@
 """A tiny random Kimi-K3 checkpoint in the real Hugging Face layout (seconds to build, CPU).
 
-Written from /work/shared/reference/kimi_k3_target.md (§1 config.json, §3 tensor names and shapes,
+Written from ../shared/reference/kimi_k3_target.md (§1 config.json, §3 tensor names and shapes,
 precision 8 for the fp32 tensors). Shared by the engine tests, benchmarks and the fp64 oracle
 (tests/kimi_reference.py); it imports nothing from dflash_batch.
 
