@@ -11,14 +11,14 @@
 #   - `pytest --collect-only -m gpu tests/test_gpu.py`;
 #   - the prebuilt flashinfer modules loaded with JIT disabled (the preflight's second half);
 #   - both part lists' stage plans, each within one 540 s command.
-# Needs .whl/ (benchmarks/prepare_wheels.sh, run here if absent) and .flashinfer_aot/
-# (benchmarks/prebuild_flashinfer.py build: about 25 minutes of nvcc on 2 cores, done once).
+# Fills .whl/ (benchmarks/prepare_wheels.sh) and .flashinfer_aot/ (benchmarks/prebuild_flashinfer.py
+# build: about 25 minutes of nvcc on 2 cores) where they are absent; both are kept for the device call.
 #   bash benchmarks/device_twin.sh [TWIN_DIR]     (default /tmp/dflash_twin; the venv is kept there)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 TWIN=${1:-/tmp/dflash_twin}
 OUT=$TWIN/out
-rm -rf "$OUT" "$TWIN/site" && mkdir -p "$OUT"
+rm -rf "$OUT" "$TWIN/site" "$TWIN/build_site" && mkdir -p "$OUT"
 fail=0
 row() { printf '| %-34s | %-6s | %s |\n' "$1" "$2" "$3" >> "$OUT/summary.md"; [[ $2 == ok ]] || fail=1; }
 printf '| step | result | detail |\n|---|---|---|\n' > "$OUT/summary.md"
@@ -37,9 +37,10 @@ fi
 row "python, torch, triton" ok "$("$PY" -c 'import sys, torch, triton; print(sys.version.split()[0], torch.__version__, triton.__version__)' 2>/dev/null)"
 
 [[ -d .whl ]] || bash benchmarks/prepare_wheels.sh > /dev/null
-if [[ ! -f .flashinfer_aot/manifest.json ]]; then
-  echo "no .flashinfer_aot/: run python benchmarks/prebuild_flashinfer.py build (nvcc, about 25 min on 2 cores)" >&2
-  exit 1
+if [[ ! -f .flashinfer_aot/manifest.json ]]; then  # built once (kept, git-ignored): the venv's flashinfer, nvcc
+  echo "building flashinfer's modules into .flashinfer_aot/ (nvcc: about 25 minutes on 2 cores)"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$TWIN/build_site" .whl/*.whl
+  PATH=$TWIN/venv/bin:$PATH PYTHONPATH=$TWIN/build_site "$PY" benchmarks/prebuild_flashinfer.py build || exit 1
 fi
 carried=$({ git ls-files -z | du -cb --files0-from=- | tail -n 1; du -cb .whl .flashinfer_aot | tail -n 1; } | awk '{s += $1} END {printf "%.1f", s / 2^20}')
 awk -v c="$carried" 'BEGIN {exit !(c <= 64)}' && r=ok || r=FAIL

@@ -60,13 +60,15 @@ def cuda_home() -> str:
     raise SystemExit("no CUDA toolkit found: set CUDA_HOME to the directory holding bin/nvcc and lib64/libcudart.so")
 
 
-def unit_seconds(build_dir: Path) -> dict[str, float]:
-    """Seconds per compile unit, from ninja's log (start and end in ms per output)."""
-    log = build_dir / ".ninja_log"
+def unit_seconds(spec) -> dict[str, float]:
+    """Seconds per compile unit of one module, from ninja's log (start and end in ms per output;
+    one log for every module, the latest line per output counts)."""
+    log = spec.build_dir.parent / ".ninja_log"
     out = {}
     for line in log.read_text().splitlines()[1:] if log.exists() else []:
         start, end, _, target, _ = line.split("\t")
-        out[Path(target).name] = round((int(end) - int(start)) / 1000, 1)
+        if Path(target).parent.name == spec.name:
+            out[Path(target).name.removeprefix(spec.name + "_")] = round((int(end) - int(start)) / 1000, 1)
     return out
 
 
@@ -117,7 +119,7 @@ def build(out: Path, work: Path, names: list[str]) -> None:
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(s.jit_library_path, dest)
         manifest["modules"][name] = dict(uri=s.name, seconds=seconds, mib=round(dest.stat().st_size / 2**20, 1),
-                                         units=unit_seconds(s.build_dir))
+                                         units=unit_seconds(s))
         manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
         print(f"{name}: {s.name} in {seconds:.0f} s, {dest.stat().st_size / 2**20:.1f} MiB", flush=True)
 
