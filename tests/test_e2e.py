@@ -98,6 +98,7 @@ def test_export_writes_a_dataset_that_reloads_with_its_card(tmp_path, pair):
     card = (dest / "README.md").read_text()
     rows = read_out(tmp_path / "out")
     assert f"{len(rows)} rows: 20 ok, 2 error" in card and "acceptance length" in card
+    assert str(tmp_path) not in card and "prompt tokens" in card  # no local path; ranges from the rows
     loaded = datasets.load_dataset(str(dest), cache_dir=str(tmp_path / "cache"))["train"]
     assert len(loaded) == len(rows) == 22
     by_key = {(r["row_id"], r["sample_index"]): r for r in rows}

@@ -71,6 +71,10 @@ def test_a_retry_reruns_exactly_the_chosen_samples_and_merges(tmp_path, parent):
     assert merged == {k: retried.get(k, r) for k, r in before.items()}
     assert sorted(p.name for p in (tmp_path / "hf" / "data").iterdir()) == [
         f"train-{i:05d}-of-00004.parquet" for i in range(4)]
+    # The card: the first run's settings, the retry's changes beside them, no path of this machine.
+    card = (tmp_path / "hf" / "README.md").read_text()
+    assert f"max_new_tokens {doc['sampling']['max_new_tokens']}" in card and str(tmp_path) not in card
+    assert "retry 1 (its rows replace those of the run before it): sampling.max_new_tokens 40, engine.max_model_len 2048" in card
 
     assert export_openai_batch(tmp_path / "retry", tmp_path / "merged.jsonl") == 30
     lines = {x["custom_id"]: x for x in map(orjson.loads, (tmp_path / "merged.jsonl").read_bytes().splitlines())}

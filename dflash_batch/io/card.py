@@ -4,14 +4,22 @@ stats files and run.json are then not read as data), and what made the rows."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from dflash_batch.job import Job
 
 DATA_FILES = "data/shard-*/part-*.parquet"  # committed parts only: temporaries are hidden files
 
 
 def dataset_card(job: Job, data_files: str = DATA_FILES, summary: str = "") -> str:
+    """The card; models are named by their directory's name (where they lie is this machine's
+    business, not the dataset's), and sampling fields a row may set are said to vary by row."""
     s = job.sampling
-    drafter = job.model.drafter or "none (target-only decoding)"
+    drafter = Path(job.model.drafter).name if job.model.drafter else "none (target-only decoding)"
+    per_row = job.input.sampling_columns
+    fields = ("temperature", "top_p", "top_k", "min_p", "max_new_tokens", "n", "seed")
+    sampling = ", ".join(f"{f} {getattr(s, f)}" + (f" (per row: column `{per_row[f]}`)" if f in per_row else "")
+                         for f in fields)
     return f"""---
 configs:
 - config_name: default
@@ -27,8 +35,7 @@ tags:
 One row per (input row, sample): `response`, `finish_reason`, `status` (error rows carry
 `error_type` and `error`), speculative-decoding counters and the input's passthrough columns.
 
-- target: `{job.model.target}`
+- target: `{Path(job.model.target).name}`
 - drafter: `{drafter}`
-- sampling: temperature {s.temperature}, top_p {s.top_p}, top_k {s.top_k}, min_p {s.min_p},
-  max_new_tokens {s.max_new_tokens}, n {s.n}, seed {s.seed}
+- sampling (the job's; a row's column replaces it where set): {sampling}
 {summary}"""

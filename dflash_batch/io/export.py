@@ -120,10 +120,17 @@ def merged_rows(chain: list[tuple[Path, dict]], grouped: bool, columns: list[str
         yield table if columns is None else table.select(columns)
 
 
+def _retry_line(index: int, record: dict) -> str:
+    """A retry in the chain and the settings it changed: its rows replace its parent's, so the
+    card must not claim the first run's settings for them."""
+    changes = ", ".join(f"{k} {v}" for k, v in record["job"]["retry"]["changes"].items()) or "no setting changed"
+    return f"- retry {index} (its rows replace those of the run before it): {changes}\n"
+
+
 def export_dataset(out_dir: Path, dest: Path, rows_per_file: int = 100_000, messages: str | None = None) -> int:
     """Write the dataset (a run's rows merged with its retries'); returns the rows written."""
     chain = lineage(out_dir)
-    job = Job.model_validate(chain[-1][1]["job"])
+    job = Job.model_validate(chain[0][1]["job"])  # the card's settings: the first run's, then each retry's changes
     total = sum(pq.ParquetFile(p).metadata.num_rows for d, _ in chain for p in part_files(d))  # an upper bound
     files = max(1, -(-total // rows_per_file))
     (dest / "data").mkdir(parents=True, exist_ok=True)
@@ -131,12 +138,18 @@ def export_dataset(out_dir: Path, dest: Path, rows_per_file: int = 100_000, mess
         raise JobError(f"{dest / 'data'} is not empty: export into a new directory")
     writer, index, in_file, written, names = None, 0, 0, 0, []
     ok = rounds = accepted = 0
+    spans: dict[str, tuple[int, int]] = {}  # column -> (min, max) over the rows written
     for table in merged_rows(chain, grouped=False, spill_dir=dest):
         if messages is not None:
             table = table.append_column("messages", _messages(table, messages))
         ok += pc.sum(pc.equal(table["status"], "ok")).as_py() or 0
         rounds += pc.sum(table["spec_rounds"]).as_py() or 0
         accepted += pc.sum(table["spec_accepted"]).as_py() or 0
+        for column in ("prompt_tokens", "completion_tokens"):
+            lo, hi = pc.min_max(table[column]).values()
+            if lo.is_valid:
+                old = spans.get(column, (lo.as_py(), hi.as_py()))
+                spans[column] = (min(old[0], lo.as_py()), max(old[1], hi.as_py()))
         while table.num_rows:
             if writer is None:
                 names.append(dest / "data" / f"train-{index:05d}-of-{files:05d}.parquet")
@@ -152,9 +165,10 @@ def export_dataset(out_dir: Path, dest: Path, rows_per_file: int = 100_000, mess
     for name in names:  # merged retries replace rows: fewer files than the bound, renamed to say so
         name.rename(name.with_name(name.name.replace(f"-of-{files:05d}", f"-of-{len(names):05d}")))
     acc = f"{1 + accepted / rounds:.2f}" if rounds else "n/a (no speculation)"
-    runs = " + ".join(f"`{d.resolve()}`" for d, _ in chain)
-    summary = (f"\n{written} rows: {ok} ok, {written - ok} error; acceptance length (1 + accepted / rounds, "
-               f"pooled) {acc}. Exported from {runs}{' (each retry replaces its rows)' if len(chain) > 1 else ''}.\n")
+    ranges = "; ".join(f"{c.replace('_', ' ')} {lo}-{hi}" for c, (lo, hi) in spans.items())
+    summary = (f"- rows: {ranges}\n" if ranges else "") + "".join(_retry_line(i, record) for i, (_, record) in enumerate(chain) if i)
+    summary += (f"\n{written} rows: {ok} ok, {written - ok} error; acceptance length (1 + accepted / rounds, "
+                f"pooled) {acc}.\n")
     (dest / "README.md").write_text(dataset_card(job, "data/train-*.parquet", summary))
     return written
 
