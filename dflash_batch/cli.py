@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 import orjson
@@ -14,8 +16,14 @@ from dflash_batch.io.outputs import output_json_schema
 from dflash_batch.job import Job, JobError, job_json_schema, load_job
 from dflash_batch.plan.shards import Shard, parse_shard, resolve_shard
 
+if TYPE_CHECKING:
+    from dflash_batch.runner import EngineFactory
+
 SCHEMA_DIR = Path(__file__).resolve().parent.parent / "schemas"
+EXIT_TOO_MANY_ERRORS = 3  # the run ended and committed its rows, but too many are error rows
+EXIT_INTERRUPTED = 130  # 128 + SIGINT (Ctrl-C), as a shell reports it
 EXIT_PREEMPTED = 143  # 128 + SIGTERM: Slurm's --requeue and wrappers read it as "terminated"
+RESUME_HINT = "finished rows are committed; rerun the same command to resume"
 
 
 def exit_now(code: int) -> None:
@@ -47,23 +55,29 @@ def main() -> None:
     """Offline batch generation with DFlash speculative decoding."""
 
 
-def _run_shard(job: Job, shard: Shard, progress: bool, job_file: str) -> None:
-    """Run one shard in this process (one tensor-parallel rank); rank 0 reports."""
+def _run_shard(job: Job, shard: Shard, progress: bool, job_file: str,
+               engine_factory: EngineFactory | None = None) -> None:
+    """Run one shard in this process (one tensor-parallel rank); rank 0 reports. `engine_factory`:
+    default, the job's engine (tests/run_fake_job.py passes its stand-in)."""
     from dflash_batch import parallel
     from dflash_batch.build import build_engine
     from dflash_batch.io.outputs import CommitError
     from dflash_batch.runner import Preempted, run_job
 
     try:
-        result = run_job(job, build_engine, shard, progress=progress, job_file=job_file)
+        result = run_job(job, engine_factory or build_engine, shard, progress=progress, job_file=job_file)
     except JobError as e:
         _fail(e)
     except CommitError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(1)
-    except Preempted:
-        click.echo("terminated: finished rows are committed; rerun the same command to resume", err=True)
-        exit_now(EXIT_PREEMPTED)
+    except Preempted as e:
+        interrupted = e.signum == signal.SIGINT
+        click.echo(f"{'interrupted' if interrupted else 'terminated'}: {RESUME_HINT}", err=True)
+        exit_now(EXIT_INTERRUPTED if interrupted else EXIT_PREEMPTED)
+    except KeyboardInterrupt:  # Ctrl-C before the run took the signal (checking inputs): no row was finished
+        click.echo(f"interrupted: {RESUME_HINT}", err=True)
+        sys.exit(EXIT_INTERRUPTED)
     if parallel.rank() == 0 and result.already_complete:
         click.echo(f"shard {result.shard}: already complete for these inputs; nothing to do")
     elif parallel.rank() == 0:
@@ -71,6 +85,18 @@ def _run_shard(job: Job, shard: Shard, progress: bool, job_file: str) -> None:
         click.echo(_table(["bucket", "rows", "ok", "error", "tokens", "acc_len", "proposal_acc"],
                           [[name, s["rows"], s["ok"], s["error"], s["completion_tokens"], s["acc_len"],
                             s["proposal_acceptance"]] for name, s in result.stats.items()]))
+    tally = result.progress
+    if tally is None:
+        return
+    if tally.errors and parallel.rank() == 0:
+        click.echo("error rows this run, by error_type:\n" + "\n".join(tally.error_summary()), err=True)
+    if tally.too_many_errors(job.output.max_error_fraction):  # every rank: they ran the same rows
+        if parallel.rank() == 0:
+            click.echo(f"failed: {sum(tally.errors.values())} of the {tally.done} rows this run are error rows "
+                       f"(output.max_error_fraction: {job.output.max_error_fraction}). They are committed, so "
+                       "rerunning this command does not run them again: fix the cause, then run them with "
+                       f"`dflash-batch retry {job.output.dir} --where error --output-dir NEW_DIR`", err=True)
+        sys.exit(EXIT_TOO_MANY_ERRORS)
 
 
 def cpus_given() -> int:
@@ -163,8 +189,10 @@ def run(job_file: str, shard_text: str | None, output_dir: str | None, no_progre
             port = s.getsockname()[1]
         ranks = mp.start_processes(_tp_rank, args=(tp, port, job, shard, not no_progress, job_file), nprocs=tp,
                                    join=False, start_method="spawn")
-        # Slurm signals this process only: pass SIGTERM on so every rank stops at the same row.
-        signal.signal(signal.SIGTERM, lambda *_: [p.terminate() for p in ranks.processes if p.is_alive()])
+        # Slurm signals this process only (and `kill -INT` too): pass SIGTERM and SIGINT on so every
+        # rank commits and stops at the same row, and exits 128 + it, which the join below returns.
+        for stop in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(stop, lambda signum, _: [os.kill(p.pid, signum) for p in ranks.processes if p.is_alive()])
         try:
             while not ranks.join():
                 pass
@@ -177,12 +205,11 @@ def run(job_file: str, shard_text: str | None, output_dir: str | None, no_progre
 
 def _dry_run(job: Job, shard: Shard, rows: int = 5) -> None:
     """The first `rows` prepared rows of this shard (no checkpoint loaded, nothing written)."""
-    from dflash_batch.io.inputs import check_inputs
     from dflash_batch.plan.ahead import prepared_batches
     from dflash_batch.plan.buckets import plan_buckets
-    from dflash_batch.runner import open_tokenizer
+    from dflash_batch.runner import check_job, open_tokenizer
 
-    check_inputs(job.input)
+    check_job(job)
     tokenizer, _ = open_tokenizer(job)
     buckets = plan_buckets(job)
     job = job.model_copy(update={"output": job.output.model_copy(update={"include_prompt": True})})  # keep the text
@@ -210,13 +237,13 @@ def _dry_run(job: Job, shard: Shard, rows: int = 5) -> None:
 def validate(job_file: str, no_inputs: bool) -> None:
     """Check JOB_FILE, its inputs and its engine settings on this host, without running anything."""
     from dflash_batch.build import resolve_engine
-    from dflash_batch.io.inputs import check_inputs, duplicate_ids
-    from dflash_batch.runner import open_tokenizer
+    from dflash_batch.io.inputs import duplicate_ids
+    from dflash_batch.runner import check_job, open_tokenizer
 
     try:
         job = load_job(job_file)
         if not no_inputs:
-            check_inputs(job.input)
+            check_job(job)
             found = duplicate_ids(job.input)
             if found["count"]:
                 shown = "; ".join(f"{e['row_id']!r} at {', '.join(e['where_list'][:4])}" for e in found["examples"])
@@ -235,10 +262,12 @@ def validate(job_file: str, no_inputs: bool) -> None:
 @click.argument("out_dir", type=click.Path(file_okay=False, exists=True))
 def status(out_dir: str) -> None:
     """Rows done / error per shard (beside the rows it holds once complete, counted from the
-    inputs) and per bucket, from the committed files of OUT_DIR; which shards are incomplete, and
-    the sbatch line that finishes them."""
+    inputs) and per bucket, from the committed files of OUT_DIR; which shards are running (their
+    progress files), which are incomplete, and the command that finishes them."""
     from dflash_batch.io.inputs import input_fingerprint
-    from dflash_batch.io.ledger import array_spec, count_committed, duplicate_keys, shard_finished, shard_states
+    from dflash_batch.io.ledger import (array_spec, count_committed, duplicate_keys, lock_path, shard_finished,
+                                        shard_states)
+    from dflash_batch.io.progress import describe_live, live_state, lock_held, read_progress, resume_lines
     from dflash_batch.plan.expected import shard_plan
 
     out = Path(out_dir)
@@ -262,6 +291,10 @@ def status(out_dir: str) -> None:
                       else s for i, (d, e, s) in enumerate(zip(done, expected, states))]
     except Exception as e:  # noqa: BLE001 - inputs gone or moved, a job this version reads otherwise
         click.echo(f"(expected rows unknown: {e})", err=True)
+    records, now = [read_progress(out, i) for i in range(num_shards)], time.time()
+    live = [live_state(r, lock_held(lock_path(out, i)), now) for i, r in enumerate(records)]
+    # A shard some run worked on (it left a record) is not "not started", even before its first part.
+    states = [lv or ("incomplete" if r and s == "not started" else s) for lv, r, s in zip(live, records, states)]
     click.echo(_table(["shard", "expected", "ok", "error", "state"],
                       [[i, expected[i], by_shard[(i, "ok")], by_shard[(i, "error")], states[i]]
                        for i in range(num_shards)]))
@@ -271,16 +304,16 @@ def status(out_dir: str) -> None:
     ok = sum(c for (_, status), c in by_shard.items() if status == "ok")
     click.echo(f"\ntotal: {ok} ok, {sum(by_shard.values()) - ok} error, {num_shards} shard(s), "
                f"{states.count('complete')} complete")
+    for i in (i for i, lv in enumerate(live) if lv):
+        click.echo(describe_live(i, live[i], records[i], done[i], expected[i], now))
     for i, found in duplicate_keys(out, num_shards).items():
         shown = ", ".join(f"({r['row_id']!r}, {r['sample_index']})" for r in found["examples"])
         click.echo(f"duplicate ids: shard {i} committed {found['rows']} rows under {found['count']} (row_id, "
                    f"sample_index) keys, e.g. {shown}: input rows share an id (dflash-batch validate lists them)")
-    todo = [i for i, s in enumerate(states) if s != "complete"]
+    todo = [i for i, s in enumerate(states) if s not in ("complete", "running", "stalled")]
     if todo:
-        job_file = run_record.get("job_file") or "JOB_FILE"
-        click.echo(f"incomplete: shard(s) {array_spec(todo)}; to finish them:\n"
-                   f"  sbatch --array={array_spec(todo)} --export=ALL,DFLASH_SHARDS={num_shards} "
-                   f"jobs/slurm/array.sbatch {job_file}")
+        lines = resume_lines(todo, num_shards, run_record.get("job_file") or "JOB_FILE", out, records)
+        click.echo(f"incomplete: shard(s) {array_spec(todo)}; to finish them:\n" + "\n".join(f"  {x}" for x in lines))
 
 
 @main.command()
@@ -388,6 +421,7 @@ def make_needle(texts: tuple[str, ...], tokenizer_dir: str, lengths: str, count:
         rows = make_needles([Path(t).read_text(errors="replace") for t in texts], Tokenizer(tokenizer_dir),
                             sizes, count, keys, seed)
         written = 0
+        Path(out_file).parent.mkdir(parents=True, exist_ok=True)
         with open(out_file, "wb") as f:
             for row in rows:
                 f.write(orjson.dumps(row) + b"\n")

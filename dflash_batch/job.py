@@ -54,6 +54,9 @@ class InputSpec(_Strict):
                              "(bounds memory on huge inputs).")
     workers: int = Field(2, ge=0, le=64, description="Processes that read, template and tokenise rows "
                          "ahead of the engine; 0: a thread of the main process.")
+    allow_empty: bool = Field(False, description="Accept an input file with no rows; by default one is "
+                              "refused before any work (a wrong file or an unfinished export, not a run of "
+                              "nothing).")
 
     @model_validator(mode="before")
     @classmethod
@@ -228,6 +231,8 @@ class OutputSpec(_Strict):
     dir: str = Field(description="Output directory (one per logical run).")
     rows_per_part: int = Field(1000, ge=1, description="Rows per Parquet part file.")
     flush_seconds: float = Field(300.0, gt=0, description="Commit a part at least this often.")
+    max_error_fraction: float = Field(0.5, ge=0, le=1, description="A run whose error rows are more than this "
+                                      "fraction of the rows it ran (or all of them) exits 3 after committing them.")
     compression: Literal["zstd", "snappy", "gzip", "none"] = "zstd"
     include_token_ids: bool = Field(False, description="Add response_token_ids to each row.")
     include_prompt: bool = Field(False, description="Add the rendered prompt text to each row.")
@@ -318,24 +323,43 @@ class Job(_Strict):
     def resolved_buckets(self) -> list[BucketSpec]:
         return self.buckets or [BucketSpec(max_tokens=self.engine.max_model_len)]
 
-    def output_hash(self) -> str:
+    def output_hash(self, identity: dict | None = None) -> str:
         """Hash of everything that decides the outputs: TUNING fields, the sharding and the name
-        are left out, so they may change between resumes."""
-        doc = self.model_dump(mode="json", exclude={**TUNING, "sharding": True, "name": True})
+        are left out, so they may change between resumes. With `identity`, the content of the
+        files LOCATIONS name (io/fingerprint.py) stands for their paths; without, the hash holds
+        the paths, as it did for runs made before."""
+        exclude: dict[str, Any] = {**TUNING, "sharding": True, "name": True}
+        if identity is not None:
+            exclude |= {section: TUNING.get(section, set()) | fields for section, fields in LOCATIONS.items()}
+        doc = self.model_dump(mode="json", exclude=exclude)
         for b in doc["buckets"]:
             b.pop("max_num_seqs", None)
         if doc["retry"] is None:  # a plain run hashes as it did before retries existed
             del doc["retry"]
+        if identity is not None:
+            doc["identity"] = identity
         return hashlib.sha256(orjson.dumps(doc, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
 
 
-# Settings that decide how fast outputs are made, never what they are.
+# Settings that decide how fast outputs are made, never what they are (allow_empty only lets an
+# empty file through: it adds no row).
 TUNING: dict[str, set[str]] = {
     "engine": {"max_num_seqs", "max_num_batched_tokens", "share_prompts", "backend", "cuda_graphs", "compile",
                "cudagraph_capture_sizes"},
-    "input": {"workers"},
-    "output": {"dir", "rows_per_part", "flush_seconds"},
+    "input": {"workers", "allow_empty"},
+    "output": {"dir", "rows_per_part", "flush_seconds", "max_error_fraction"},  # the last: the exit code only
 }
+
+
+# Fields naming files: a run is hashed by what they hold, not where they lie (output_hash), so a
+# run moved with its files, or read through another mount, stays the same run.
+LOCATIONS: dict[str, set[str]] = {"input": {"paths"}, "model": {"target", "drafter", "tokenizer", "chat_template"}}
+
+
+def is_location(field: str) -> bool:
+    """Whether a dotted job field names files (LOCATIONS)."""
+    section, _, rest = field.partition(".")
+    return rest in LOCATIONS.get(section, ())
 
 
 def is_tuning(field: str) -> bool:
@@ -389,17 +413,41 @@ def parse_job(doc: Any, source: str = "<job>", base_dir: Path | None = None) -> 
     return job.model_copy(update={"input": inp, "model": model, "output": out, "retry": retry})
 
 
-def load_job(path: str | Path) -> Job:
-    path = Path(path)
+def read_job_file(path: Path) -> Any:
+    """A job file's YAML document, not validated yet."""
     try:
         text = path.read_text()
     except OSError as e:
         raise JobError(f"{path}: cannot read job file ({e.strerror})") from None
     try:
-        doc = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise JobError(f"{path}: not valid YAML: {e}") from None
-    return parse_job(doc, str(path), path.resolve().parent)
+
+
+def load_job(path: str | Path) -> Job:
+    path = Path(path)
+    return parse_job(read_job_file(path), str(path), path.resolve().parent)
+
+
+def check_model_paths(model: ModelSpec) -> None:
+    """Every checkpoint, tokenizer and template path of the job exists (a checkpoint with its
+    config.json), checked before anything reads them: a mistyped path is named by its field,
+    not by the first file a later step misses in it."""
+    for field in ("target", "drafter", "tokenizer", "chat_template"):
+        path = getattr(model, field)
+        if path is None:
+            continue
+        where = Path(path)
+        if not where.exists():
+            raise JobError(f"model.{field}: {path} does not exist")
+        if field == "chat_template":
+            if not where.is_file():
+                raise JobError(f"model.chat_template: {path} is not a file")
+        elif not where.is_dir():
+            raise JobError(f"model.{field}: {path} is not a directory")
+        elif field != "tokenizer" and not (where / "config.json").is_file():
+            raise JobError(f"model.{field}: {path} is not a checkpoint: no config.json")
 
 
 def job_json_schema() -> dict:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import signal
 import threading
 import time
@@ -29,7 +30,8 @@ from dflash_batch.io.inputs import check_inputs, input_fingerprint
 from dflash_batch.io.ledger import (check_run, keys_to_skip, lock_run, shard_dir, shard_finished, shard_lock,
                                    write_shard_stats)
 from dflash_batch.io.outputs import RESERVED, PartWriter, output_record
-from dflash_batch.job import Job, JobError, SamplingSpec
+from dflash_batch.io.progress import Progress, progress_path, slurm_of
+from dflash_batch.job import Job, JobError, SamplingSpec, check_model_paths
 from dflash_batch.plan.buckets import Bucket, plan_buckets
 from dflash_batch.plan.ahead import fewer_gc_passes, prepare_ahead
 from dflash_batch.plan.rows import PreparedRow, sample_seed
@@ -38,12 +40,17 @@ from dflash_batch.plan.tokenize import Tokenizer, stop_token_ids
 from dflash_batch.reasoning import Delimiters, find_delimiters, split_reasoning
 
 EngineFactory = Callable[[Job, Tokenizer], Engine]
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # preemption, Ctrl-C: both commit finished rows and stop
 
 
 class Preempted(BaseException):
-    """SIGTERM arrived: finished rows were committed, the rest is left for the resumed run. A
-    BaseException, as KeyboardInterrupt is: raised from the signal handler anywhere in the
-    engine, it must pass every `except Exception` that isolates a failing request."""
+    """SIGTERM or SIGINT (`signum`) arrived: finished rows were committed, the rest is left for the
+    resumed run. A BaseException, as KeyboardInterrupt is: raised from the signal handler anywhere
+    in the engine, it must pass every `except Exception` that isolates a failing request."""
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        super().__init__(signum)
+        self.signum = signum
 
 
 @dataclass
@@ -52,12 +59,15 @@ class RunResult:
     rows_written: int
     stats: dict[str, dict]
     already_complete: bool = False  # finished before, for these inputs: nothing was loaded
+    progress: Progress | None = None  # this run's rows and error rows (None: nothing was run)
 
 
 class _Run:
     def __init__(self, job: Job, shard: Shard, tokenizer: Tokenizer, engine: Engine, config_hash: str,
-                 progress: bool, delimiters: Delimiters | None = None, on_row: Callable[[dict], None] | None = None):
+                 progress: bool, delimiters: Delimiters | None = None, on_row: Callable[[dict], None] | None = None,
+                 *, tally: Progress):
         self.job, self.shard, self.tok, self.engine = job, shard, tokenizer, engine
+        self.tally = tally  # this run's rows, error rows and progress file
         self.on_row = on_row
         self.delimiters = delimiters
         self.config_hash, self.progress = config_hash, progress
@@ -83,7 +93,8 @@ class _Run:
             metadata={"dflash_batch.version": __version__, "dflash_batch.config_hash": config_hash,
                       "dflash_batch.job": job.model_dump_json()})
         self.stop = threading.Event()
-        self.running = self.committing = False  # where on_sigterm may stop the run at once
+        self.running = self.committing = False  # where on_signal may stop the run at once
+        self.signum = signal.SIGTERM  # the first stop signal's (the exit code says which)
         self.tensor_parallel = parallel.world_size() > 1
         self.default_params = self._params(job.sampling)
         vocab = engine.vocab_size or tokenizer.vocab_size  # a stand-in engine may not say
@@ -174,20 +185,30 @@ class _Run:
             self.writer.add(row)
             if self.on_row is not None:
                 self.on_row(output_record(row, self.job.input.passthrough_columns, self.optional))
+        self.tally.row(row, self.committed())
         self.committing = False
         # Every rank commits the same rows in the same order; they agree on stopping here.
         stop = parallel.any_rank(self.stop.is_set()) if self.tensor_parallel else self.stop.is_set()
         if stop:
-            raise Preempted()
+            self._stop()
 
-    def on_sigterm(self, *_) -> None:
-        """Stop. On one rank, at once: the rows finished so far are committed on the way out
-        (run), however long the round or the row in progress would take. Tensor-parallel ranks
-        stop at the next committed row instead, all at the same one (their collectives match)."""
+    def committed(self) -> int:
+        return self.writer.committed_rows if self.writer is not None else 0
+
+    def _stop(self) -> None:
+        self.running = False  # first: a second signal must not cut the flush on the way out
+        raise Preempted(self.signum)
+
+    def on_signal(self, signum: int, _frame: object = None) -> None:
+        """SIGTERM or SIGINT: stop. On one rank, at once: the rows finished so far are committed
+        on the way out (run), however long the round or the row in progress would take.
+        Tensor-parallel ranks stop at the next committed row instead, all at the same one (their
+        collectives match)."""
+        if not self.stop.is_set():
+            self.signum = signum
         self.stop.set()
         if self.running and not self.committing and not self.tensor_parallel:
-            self.running = False  # a second SIGTERM must not cut the flush on the way out
-            raise Preempted()
+            self._stop()
 
     # -- the loop ------------------------------------------------------------------------------
     def _run_bucket(self, bucket: Bucket, rows: list[PreparedRow]) -> None:
@@ -257,7 +278,8 @@ class _Run:
             if not self.stop.is_set():
                 raise
             # A worker killed by the job's SIGTERM before it could ignore it: still a preemption.
-            raise Preempted() from None
+            self.running = False
+            raise Preempted(self.signum) from None
 
     def run(self) -> int:
         window: list[PreparedRow] = []
@@ -265,9 +287,10 @@ class _Run:
         batches = prepare_ahead(self.job, self.tok, self.shard, self.done,
                                 getattr(self.engine, "vocab_size", None))
         self.running = True
+        self.tally.start()
         try:
-            if self.stop.is_set():  # SIGTERM while the model loaded
-                raise Preempted()
+            if self.stop.is_set():  # a signal while the model loaded
+                self._stop()
             try:
                 for rows in self._preemptible(batches):
                     window += rows
@@ -288,6 +311,17 @@ class _Run:
             return 0
         self.writer.flush()
         return self.writer.committed_rows
+
+
+def check_job(job: Job) -> None:
+    """What fails the whole job, checked before any tokenizer or checkpoint is read: the model
+    paths first (a typo named by its field), then the output columns, the input files and their
+    columns."""
+    check_model_paths(job.model)
+    for col in job.input.passthrough_columns:
+        if col in RESERVED:
+            raise JobError(f"input.passthrough_columns: {col!r} collides with an output column")
+    check_inputs(job.input)
 
 
 def open_tokenizer(job: Job) -> tuple[Tokenizer, Delimiters | None]:
@@ -313,10 +347,7 @@ def run_job(job: Job, engine_factory: EngineFactory, shard: Shard, progress: boo
     """Run this shard of the job. Everything that can make the job fail as a whole (inputs,
     tokenizer, run.json, checkpoints) is checked before the first row is generated. `on_row`
     gets each output row (a dict of its columns) as it finishes (api.py)."""
-    for col in job.input.passthrough_columns:
-        if col in RESERVED:
-            raise JobError(f"input.passthrough_columns: {col!r} collides with an output column")
-    check_inputs(job.input)
+    check_job(job)
     tokenizer, delimiters = open_tokenizer(job)
     out_dir = Path(job.output.dir)
     check_run(out_dir, job, shard)  # a changed job is refused before any checkpoint loads
@@ -324,37 +355,50 @@ def run_job(job: Job, engine_factory: EngineFactory, shard: Shard, progress: boo
     if shard_finished(out_dir, shard.index, inputs):  # a resubmitted finished task: no model to load
         return RunResult(shard, 0, {}, already_complete=True)
     on_main = threading.current_thread() is threading.main_thread()
-    early = threading.Event()  # a SIGTERM while the model loads stops the run before its first row
-    previous = signal.signal(signal.SIGTERM, lambda *_: early.set()) if on_main else None
+    early: list[int] = []  # a stop signal while the model loads stops the run before its first row
+
+    def while_loading(signum: int, _frame: object) -> None:
+        if early and signum == signal.SIGINT:  # a second Ctrl-C: no row is finished yet, stop now
+            raise Preempted(signum)
+        early.append(signum)
+
+    previous = {s: signal.signal(s, while_loading) for s in STOP_SIGNALS} if on_main else {}
     try:
         with shard_lock(out_dir, shard.index) if parallel.rank() == 0 else contextlib.nullcontext():
-            engine = engine_factory(job, tokenizer)
-            # run.json only once the checkpoints loaded, so a mistyped path cannot tie the directory
-            # to it. Rank 0 creates it; every rank reads the committed rows before any rank writes
-            # more, so all ranks schedule the same requests (their collectives must match).
-            config_hash = lock_run(out_dir, job, shard, job_file) if parallel.rank() == 0 else None
-            parallel.barrier()
-            config_hash = config_hash or lock_run(out_dir, job, shard, job_file)
-            run = _Run(job, shard, tokenizer, engine, config_hash, progress, delimiters, on_row)
-            parallel.barrier()
-            if on_main:
-                signal.signal(signal.SIGTERM, run.on_sigterm)
-            if early.is_set():
-                run.stop.set()
+            tally = Progress(progress_path(out_dir, shard.index) if parallel.rank() == 0 else None,
+                             log=not progress, slurm=slurm_of(os.environ))
+            run = None
             try:
+                engine = engine_factory(job, tokenizer)
+                # run.json only once the checkpoints loaded, so a mistyped path cannot tie the directory
+                # to it. Rank 0 creates it; every rank reads the committed rows before any rank writes
+                # more, so all ranks schedule the same requests (their collectives must match).
+                config_hash = lock_run(out_dir, job, shard, job_file) if parallel.rank() == 0 else None
+                parallel.barrier()
+                config_hash = config_hash or lock_run(out_dir, job, shard, job_file)
+                run = _Run(job, shard, tokenizer, engine, config_hash, progress, delimiters, on_row, tally=tally)
+                parallel.barrier()
+                for s in previous:
+                    signal.signal(s, run.on_signal)
+                if early:
+                    run.signum = early[0]
+                    run.stop.set()
                 with fewer_gc_passes():
                     written = run.run()
+                stats = (write_shard_stats(out_dir, shard.index, complete=True, inputs=inputs)
+                         if parallel.rank() == 0 else {})
             except BaseException as e:
                 # Stats are recomputed from the committed parts; a failure writing them now (the
                 # disk that stopped the run may still be full) must not hide why the run stopped.
                 # Preempted, the seconds before SIGKILL are not spent reading every part back.
-                if parallel.rank() == 0:
+                if parallel.rank() == 0 and run is not None:
                     with contextlib.suppress(Exception):
                         write_shard_stats(out_dir, shard.index, complete=False, inputs=inputs,
                                           count=not isinstance(e, Preempted))
+                tally.end("stopped" if isinstance(e, Preempted) else "failed", run.committed() if run else 0)
                 raise
-            stats = write_shard_stats(out_dir, shard.index, complete=True, inputs=inputs) if parallel.rank() == 0 else {}
+            tally.end("finished", written)
     finally:
-        if on_main:
-            signal.signal(signal.SIGTERM, previous)
-    return RunResult(shard, written, stats)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return RunResult(shard, written, stats, progress=tally)

@@ -16,8 +16,9 @@ from dflash_batch.plan.buckets import Bucket
 
 class FakeEngine:
     def __init__(self, tokenizer, vocab_size: int = 300, delay_s: float = 0.0, block_size: int = 8,
-                 max_tokens: int | None = None):
+                 max_tokens: int | None = None, log: str | None = None):
         self.tok, self.vocab, self.delay, self.block = tokenizer, vocab_size, delay_s, block_size
+        self.log = log  # a file: each row the runner took, one "row_id sample_index" line
         self.vocab_size = None  # accepts any prompt id
         self.max_tokens = max_tokens
 
@@ -54,6 +55,9 @@ class FakeEngine:
                 if self.delay:
                     time.sleep(self.delay)
                 yield c
+                if self.log:  # the runner asks for the next row only once it has handed this one on
+                    with open(self.log, "a") as f:
+                        f.write(f"{c.key[0]} {c.key[1]}\n")
             batch = []
 
 

@@ -77,7 +77,8 @@ def test_an_input_with_fewer_batches_than_workers(tmp_path, model_dir):
     (tmp_path / "blank.jsonl").write_text("\n\n")
     write_jsonl(tmp_path / "one.jsonl", [{"id": "x", "prompt": "only row"}])
     for name, rows in (("blank.jsonl", 0), ("one.jsonl", 1)):
-        job = write_job(tmp_path, base_job(model_dir, [name], input={"workers": 3}, output={"dir": f"out-{name}"}))
+        job = write_job(tmp_path, base_job(model_dir, [name], input={"workers": 3, "allow_empty": True},
+                                           output={"dir": f"out-{name}"}))
         assert run_job(job, fake_factory(), Shard(0, 1), progress=False).rows_written == rows
 
 

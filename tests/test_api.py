@@ -1,14 +1,23 @@
 """The Python API (dflash_batch.generate): the rows a job file gives through `run`, yielded as
-they finish, from a list of dicts or an Arrow table; a second call resumes."""
+they finish, from a list of dicts or an Arrow table; a second call resumes and yields every row
+of the run; closing the generator stops the run with what finished committed; one call at a time
+per output directory."""
 
 from __future__ import annotations
 
+import threading
+import time
+from collections import Counter
+
 import pyarrow as pa
+import pytest
+import yaml
 
 import dflash_batch
+from dflash_batch.job import JobError
 from dflash_batch.plan.shards import Shard
 from dflash_batch.runner import run_job
-from tests.fake_engine import fake_factory
+from tests.fake_engine import FakeEngine, fake_factory
 from tests.jobs_util import base_job, read_out, write_job, write_jsonl
 
 VOLATILE = {"ttft_s", "latency_s", "config_hash"}  # timings, and the hash of a job whose paths differ
@@ -16,6 +25,10 @@ VOLATILE = {"ttft_s", "latency_s", "config_hash"}  # timings, and the hash of a 
 
 def same(rows: list[dict]) -> dict:
     return {(r["row_id"], r["sample_index"]): {k: v for k, v in r.items() if k not in VOLATILE} for r in rows}
+
+
+def no_model(job, tokenizer):
+    raise AssertionError("a finished run loaded a model")
 
 
 def test_generate_gives_the_rows_run_gives(tmp_path, model_dir):
@@ -30,7 +43,8 @@ def test_generate_gives_the_rows_run_gives(tmp_path, model_dir):
     got = list(dflash_batch.generate(rows, api_job, engine_factory=fake_factory()))
     assert same(got) == want
     assert same(read_out(tmp_path / "api")) == want  # committed as `run` commits them
-    assert list(dflash_batch.generate(rows, api_job, engine_factory=fake_factory())) == []  # resumed: all done
+    # Finished: no model is loaded, and the caller still gets every row, from the parts.
+    assert same(list(dflash_batch.generate(rows, api_job, engine_factory=no_model))) == want
 
     table_job = write_job(tmp_path, {**doc, "output": {**doc["output"], "dir": "table"}}, "table.yaml")
     got = list(dflash_batch.generate(pa.Table.from_pylist(rows), table_job, engine_factory=fake_factory()))
@@ -46,3 +60,87 @@ def test_generate_takes_openai_request_lines(tmp_path, model_dir):
     got = list(dflash_batch.generate(pa.Table.from_pylist(requests), job, engine_factory=fake_factory()))
     assert sorted((r["row_id"], r["sample_index"], r["completion_tokens"]) for r in got) == sorted(
         (f"c{i}", s, 3 + i) for i in range(5) for s in range(1 + i % 2))
+
+
+def _rows(n: int) -> list[dict]:
+    return [{"id": f"r{i}", "prompt": f"prompt {i} " + "fox " * (i % 4)} for i in range(n)]
+
+
+def _doc(model_dir, **output) -> dict:
+    doc = base_job(model_dir, [], input={"workers": 0}, output={"rows_per_part": 1000, **output})
+    del doc["input"]["paths"]  # generate gives the rows
+    return doc
+
+
+def test_a_job_for_generate_needs_no_input_paths(tmp_path, model_dir, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    got = list(dflash_batch.generate(_rows(3), _doc(model_dir), engine_factory=fake_factory()))
+    assert sorted(r["row_id"] for r in got) == ["r0", "r1", "r2"]
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(_doc(model_dir, dir="from_file")))
+    got = list(dflash_batch.generate(_rows(2), tmp_path / "job.yaml", engine_factory=fake_factory()))
+    assert sorted(r["row_id"] for r in got) == ["r0", "r1"]
+
+
+class HoldsTheLast:
+    """The fake engine, holding its last completion until the caller has received a row (for at
+    most 10 s: a caller that waits for the whole run fails the test instead of hanging it)."""
+
+    def __init__(self):
+        self.received, self.held_out = threading.Event(), False
+
+    def __call__(self, job, tokenizer):
+        engine = FakeEngine(tokenizer)
+        every = engine.generate
+
+        def generate(requests, bucket):
+            done = list(every(requests, bucket))
+            for i, c in enumerate(done):
+                if i == len(done) - 1 and not self.received.wait(timeout=10):
+                    self.held_out = True
+                yield c
+
+        engine.generate = generate
+        return engine
+
+
+def test_the_first_row_arrives_before_the_last_request_finishes(tmp_path, model_dir):
+    engine = HoldsTheLast()
+    rows = dflash_batch.generate(_rows(6), _doc(model_dir, dir=str(tmp_path / "out")), engine_factory=engine)
+    first = next(rows)
+    engine.received.set()
+    rest = list(rows)
+    assert not engine.held_out and len([first, *rest]) == 6
+
+
+def test_a_call_closed_early_commits_what_finished_and_the_next_yields_every_row_once(tmp_path, model_dir):
+    """The caller breaks out after 3 of 40 rows (parts hold 1000: nothing was written yet): the
+    run stops at once with every finished row committed, the 3 among them; the next call yields
+    those first, then the others, every row of the run once."""
+    want = same(list(dflash_batch.generate(_rows(40), _doc(model_dir, dir=str(tmp_path / "ref")),
+                                           engine_factory=fake_factory())))
+    doc = _doc(model_dir, dir=str(tmp_path / "out"))
+    gen = dflash_batch.generate(_rows(40), doc, engine_factory=fake_factory(delay_s=0.05))
+    got = [next(gen) for _ in range(3)]
+    t0 = time.monotonic()
+    gen.close()
+    assert time.monotonic() - t0 < 5
+    assert not [t for t in threading.enumerate() if t.name == "dflash-batch-run"]  # the run has ended
+    committed = same(read_out(tmp_path / "out"))
+    assert set(same(got)) <= set(committed) and len(committed) < 40
+
+    again = list(dflash_batch.generate(_rows(40), doc, engine_factory=fake_factory()))
+    assert max(Counter((r["row_id"], r["sample_index"]) for r in again).values()) == 1
+    assert same(again) == want
+    assert same(again[:len(committed)]) == committed  # the committed rows first
+
+
+def test_a_second_call_on_the_same_output_while_one_runs_is_refused(tmp_path, model_dir):
+    doc = _doc(model_dir, dir=str(tmp_path / "out"))
+    first = dflash_batch.generate(_rows(20), doc, engine_factory=fake_factory(delay_s=0.02))
+    got = [next(first)]
+    second = dflash_batch.generate(_rows(20), doc, engine_factory=fake_factory())
+    with pytest.raises(JobError, match="another generate call of this process is running on this output directory"):
+        next(second)
+    got += list(first)
+    assert sorted(r["row_id"] for r in got) == sorted(f"r{i}" for i in range(20))
+    assert len(read_out(tmp_path / "out")) == 20

@@ -18,6 +18,7 @@ from dflash_batch.engine import engine as engine_module
 from dflash_batch.engine.batch import DecodeBatch
 from dflash_batch.engine.engine import Engine
 from dflash_batch.engine.graphs import RoundGraphs
+from dflash_batch.engine.switch import AutoSpeculation
 from dflash_batch.job import JobError, parse_job
 from dflash_batch.plan.buckets import Bucket
 from dflash_batch.report import build_report, to_markdown
@@ -81,17 +82,34 @@ def test_demo_long_prompts_turn_speculation_off_and_the_report_says_so(tmp_path)
                              "--output-dir", str(tmp_path / "out"), "--no-progress"], capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert re.search(r"bucket 256-1024: speculation off \(auto\): acc_len \d\.\d\d", result.stderr)
+    logged = re.search(r"bucket 256-1024: speculation off \(auto\): acc_len (\d\.\d\d) over the last (\d+) "
+                       r"sequence-rounds < 3\.0", result.stderr)
+    assert logged, result.stderr[-2000:]
     rows = read_out(tmp_path / "out")
     long = [r for r in rows if r["bucket"] == "256-1024"]
     assert any(r["spec_block_size"] is None for r in long) and any(r["spec_block_size"] for r in long)
     stats = orjson.loads((tmp_path / "out/stats/shard-00000.json").read_bytes())["buckets"]
     assert stats["0-256"]["speculation"] == "on"
+    # It switched as its window first filled (32 sequence-rounds, 4 sequences a round): the window
+    # is every speculative round the bucket ran, so the acceptance logged is the stats' own.
+    assert int(logged[2]) == stats["256-1024"]["spec_rounds"] == 32
+    assert logged[1] == f"{stats['256-1024']['acc_len']:.2f}"
     speculated = sum(r["spec_block_size"] is not None for r in long)
     assert stats["256-1024"]["speculation"] == f"on for {speculated}/{len(long)}"
     report = build_report(tmp_path / "out")
     assert report["buckets"]["256-1024"]["speculation"] == f"on for {speculated}/{len(long)}"
     assert f"| on for {speculated}/{len(long)} |" in to_markdown(report)
+
+
+def test_the_window_slides_over_the_last_rounds():
+    """100 sequence-rounds accepting 7 drafts each, then rounds accepting none: speculation stops
+    exactly when the window holds only the new rounds. A window that kept its first rounds, or
+    every round, would still measure 7 or more and never stop."""
+    auto = AutoSpeculation(min_acc_len=2.0, rounds=8)
+    assert not any(auto.record([7, 7, 7, 7]) for _ in range(25))
+    # Two sequences a round: the window holds 6, 4, 2, then none of the accepting rounds.
+    assert [auto.record([0, 0]) for _ in range(4)] == [False, False, False, True]
+    assert auto.acc_len == 1.0
 
 
 @pytest.mark.parametrize("change, message", [

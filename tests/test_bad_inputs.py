@@ -15,15 +15,17 @@ from pathlib import Path
 import orjson
 import pytest
 import torch
+import yaml
+from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from dflash_batch.build import build_engine
+from dflash_batch.cli import main
 from dflash_batch.job import JobError
 from dflash_batch.plan.shards import Shard
-from dflash_batch.plan.tokenize import Tokenizer
-from dflash_batch.runner import run_job
+from dflash_batch.runner import check_job, run_job
 from dflash_batch.testing.tokenizer import make_tokenizer_dir
 from tests.engine_util import make_drafter, make_target
 from tests.fake_engine import fake_factory
@@ -104,6 +106,75 @@ def test_rows_the_model_cannot_take_become_error_rows(tmp_path, model_dir):
                                                                  "and tokenising")
 
 
+def test_a_line_that_does_not_decode_is_an_error_row_naming_its_file_and_line(tmp_path, model_dir):
+    """Not UTF-8 or not JSON: the row id cannot be read, so the line becomes an error row keyed by
+    (file, line), in words (orjson would say "surrogates not allowed"), and the run goes on."""
+    write_jsonl(tmp_path / "prompts.jsonl", [{"id": "a", "prompt": "one"}, b'{"id": "b", "prompt": "caf\xff"}', b"",
+                                             b'{"id": "c", "prompt": ', {"id": "d", "prompt": "two"}])
+    run_job(write_job(tmp_path, base_job(model_dir, ["prompts.jsonl"])), fake_factory(), Shard(0, 1), progress=False)
+    out = read_out(tmp_path / "out")
+    assert sorted(r["row_id"] for r in out if r["status"] == "ok") == ["a", "d"]
+    assert sorted((r["error_type"], r["error"]) for r in out if r["status"] == "error") == [
+        ("bad_input_line", "prompts.jsonl: line 2 is not valid UTF-8 (byte 0xff at position 26)"),
+        ("bad_input_line", "prompts.jsonl: line 4 is not valid JSON (unexpected end of data at position 23)")]
+
+
+CALL = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+USER = {"role": "user", "content": "add 1 and 2"}
+# (what, the chat, its error): each message field a template reads, wrong
+BAD_CHATS = [
+    ("no content", [{"role": "user"}], "messages[0].content: missing"),
+    ("null content", [{"role": "system", "content": "s"}, {"role": "user", "content": None}],
+     "messages[1].content: null"),
+    ("no role", [{"content": "hi"}], "messages[0].role: missing"),
+    ("unknown role", [{"role": "bot", "content": "hi"}],
+     "messages[0].role: 'bot' is not one of ['system', 'developer', 'user', 'assistant', 'tool']"),
+    ("not an object", ["hi"], "messages[0]: a message must be an object {role, content}, got str"),
+    ("content a number", [{"role": "user", "content": 3}],
+     "messages[0].content: must be a string or a list of text parts, got int"),
+    ("an image part", [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+     "messages[0].content[0]: only text parts {type: text, text} are read, got 'image_url'"),
+    ("a text part without text", [{"role": "user", "content": [{"type": "text", "text": 1}]}],
+     "messages[0].content[0].text: must be a string"),
+    ("an assistant turn of nothing", [USER, {"role": "assistant"}], "messages[1].content: missing"),
+    ("tool calls from the user", [{**USER, "tool_calls": [CALL]}],
+     "messages[0].tool_calls: only an assistant message calls tools, this one is 'user'"),
+    ("tool calls not a list", [USER, {"role": "assistant", "tool_calls": CALL}],
+     "messages[1].tool_calls: must be a non-empty list of {type: function, function: {name, arguments}}"),
+    ("a tool call not an object", [USER, {"role": "assistant", "tool_calls": ["add"]}],
+     "messages[1].tool_calls[0]: must be an object {type: function, function: {name, arguments}}"),
+    ("a tool call of another type", [USER, {"role": "assistant", "tool_calls": [{**CALL, "type": "retrieval"}]}],
+     "messages[1].tool_calls[0].type: must be 'function', got 'retrieval'"),
+    ("a tool call id not a string", [USER, {"role": "assistant", "tool_calls": [{**CALL, "id": 7}]}],
+     "messages[1].tool_calls[0].id: must be a string"),
+    ("a tool call without its function", [USER, {"role": "assistant", "tool_calls": [{"type": "function"}]}],
+     "messages[1].tool_calls[0].function: missing"),
+    ("a tool call without a name", [USER, {"role": "assistant", "tool_calls": [
+        {"function": {"name": "", "arguments": "{}"}}]}], "messages[1].tool_calls[0].function.name: must be a "
+                                                         "non-empty string"),
+    ("a tool call without arguments", [USER, {"role": "assistant", "tool_calls": [{"function": {"name": "add"}}]}],
+     "messages[1].tool_calls[0].function.arguments: must be a JSON string or an object"),
+]
+GOOD_CHATS = [
+    [USER],
+    [{"role": "developer", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+    [USER, {"role": "assistant", "content": None, "tool_calls": [CALL]}, {"role": "tool", "content": "3"}, USER],
+    [USER, {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "add",
+                                                                                   "arguments": {"a": 1}}}]}],
+]
+
+
+def test_a_malformed_chat_message_is_an_error_row_naming_the_message_and_field(tmp_path, model_dir):
+    chats = [*(c for _, c, _ in BAD_CHATS), *GOOD_CHATS]
+    write_jsonl(tmp_path / "p.jsonl", [{"id": str(i), "messages": c} for i, c in enumerate(chats)])
+    doc = base_job(model_dir, ["p.jsonl"], input={"prompt_column": None, "messages_column": "messages"})
+    run_job(write_job(tmp_path, doc), fake_factory(), Shard(0, 1), progress=False)
+    out = {int(r["row_id"]): r for r in read_out(tmp_path / "out")}
+    for i, (what, _, error) in enumerate(BAD_CHATS):
+        assert (out[i]["error_type"], out[i]["error"]) == ("bad_message", error), what
+    assert [out[i]["status"] for i in range(len(BAD_CHATS), len(chats))] == ["ok"] * len(GOOD_CHATS)
+
+
 # -- inputs and checkpoints: the run stops before any work, saying what to fix -------------------
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
@@ -171,7 +242,7 @@ SETUPS = [
     ("invalid config.json", lambda p, t: {"target": edited(p[0], t / "c", files={"config.json": "{oops"})},
      "invalid JSON in"),
     ("no config.json", lambda p, t: {"drafter": edited(p[1], t / "d", files={"config.json": None})},
-     "no config.json in checkpoint directory"),
+     "/d is not a checkpoint: no config.json"),
     ("no weights", lambda p, t: {"target": edited(p[0], t / "c", files={"model.safetensors": None})},
      "no model.safetensors or model.safetensors.index.json"),
     ("tokenizer bigger than the vocabulary", lambda p, t: {"tokenizer": big_tokenizer(t / "tok")},
@@ -243,6 +314,129 @@ def test_a_bad_input_stops_before_any_work(tmp_path, model_dir, what, spec, word
     assert words in str(e.value), str(e.value)
 
 
+def never_loaded(job, tokenizer):
+    raise AssertionError("a model was loaded before the job was refused")
+
+
+# (what, the job's input section, the column one input lacks)
+COLUMNS = [
+    ("id column", {"id_column": "key"}, "key"),
+    ("prompt column", {"prompt_column": "text"}, "text"),
+    ("messages column", {"prompt_column": None, "messages_column": "msgs"}, "msgs"),
+    ("input_ids column", {"prompt_column": None, "input_ids_column": "ids"}, "ids"),
+    ("sampling column", {"sampling_columns": {"max_new_tokens": "budget"}}, "budget"),
+    ("tools column", {"prompt_column": None, "messages_column": "msgs", "tools_column": "tools"}, "tools"),
+    ("passthrough column", {"passthrough_columns": ["dataset"]}, "dataset"),
+]
+FULL_ROW = {"id": "a", "key": "k", "prompt": "hi", "text": "hi", "msgs": [{"role": "user", "content": "hi"}],
+            "ids": [5, 6], "budget": 4, "tools": [{"type": "function", "function": {"name": "f"}}], "dataset": "d"}
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    else:
+        write_jsonl(path, rows)
+    return path
+
+
+@pytest.mark.parametrize("ext", ["jsonl", "parquet"])
+@pytest.mark.parametrize("what, spec, missing", COLUMNS, ids=[c[0] for c in COLUMNS])
+def test_an_input_without_a_column_the_job_names_stops_before_any_model_loads(tmp_path, model_dir, ext, what,
+                                                                               spec, missing):
+    write_rows(tmp_path / f"a.{ext}", [FULL_ROW])
+    lacking = write_rows(tmp_path / f"b.{ext}", [{k: v for k, v in FULL_ROW.items() if k != missing}])
+    doc = base_job(model_dir, [f"a.{ext}", f"b.{ext}"], input=spec)
+    with pytest.raises(JobError) as e:
+        run_job(write_job(tmp_path, doc), never_loaded, Shard(0, 1), progress=False)
+    has = "the file has" if ext == "parquet" else "its first 1 non-empty line(s) have"
+    assert str(e.value) == (f"{lacking}: column(s) [{missing!r}] not found; {has} "
+                            f"{[k for k in FULL_ROW if k != missing]}")
+    doc["input"]["paths"] = [f"a.{ext}"]  # the file that has it passes
+    check_job(write_job(tmp_path, doc))
+
+
+def test_a_parquet_tools_column_reaches_the_template(tmp_path, model_dir):
+    (tmp_path / "tools.jinja").write_text("{{ tools | tojson }} {% for m in messages %}{{ m['content'] }}{% endfor %}")
+    write_rows(tmp_path / "a.parquet", [FULL_ROW])
+    doc = base_job(model_dir, ["a.parquet"], input=COLUMNS[5][1], output={"include_prompt": True})
+    doc["model"]["chat_template"] = "tools.jinja"
+    run_job(write_job(tmp_path, doc), fake_factory(), Shard(0, 1), progress=False)
+    [row] = read_out(tmp_path / "out")
+    assert row["rendered_prompt"] == '[{"type": "function", "function": {"name": "f"}}] hi'
+
+
+@pytest.mark.parametrize("ext", ["jsonl", "parquet"])
+def test_an_empty_input_stops_before_any_model_loads_unless_allowed(tmp_path, model_dir, ext):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    write_jsonl(tmp_path / "a.jsonl", [{"id": "a", "prompt": "hi"}])
+    if ext == "jsonl":
+        (tmp_path / "empty.jsonl").write_bytes(b"\n  \n")  # blank lines are no rows
+    else:
+        pq.write_table(pa.table({"id": pa.array([], pa.string()), "prompt": pa.array([], pa.string())}),
+                       tmp_path / "empty.parquet")
+    doc = base_job(model_dir, ["a.jsonl", f"empty.{ext}"])
+    job = write_job(tmp_path, doc)
+    with pytest.raises(JobError) as e:
+        run_job(job, never_loaded, Shard(0, 1), progress=False)
+    assert str(e.value) == (f"{tmp_path / f'empty.{ext}'}: no rows (an empty file); set input.allow_empty: true "
+                            "if that is expected")
+    doc["input"]["allow_empty"] = True
+    allowed = write_job(tmp_path, doc)
+    assert allowed.output_hash() == job.output_hash()  # it adds no row: runs started without it resume
+    run_job(allowed, fake_factory(), Shard(0, 1), progress=False)
+    assert [r["status"] for r in read_out(tmp_path / "out")] == ["ok"]
+
+
+# (what, the model section's broken path: fn(pair, tmp) -> (field, path), the message after the path)
+MODEL_PATHS = [
+    ("target mistyped", lambda p, t: ("target", t / "typo"), "does not exist"),
+    ("drafter mistyped", lambda p, t: ("drafter", t / "typo"), "does not exist"),
+    ("tokenizer mistyped", lambda p, t: ("tokenizer", t / "typo"), "does not exist"),
+    ("chat template mistyped", lambda p, t: ("chat_template", t / "typo.jinja"), "does not exist"),
+    ("target a file", lambda p, t: ("target", p[0] / "config.json"), "is not a directory"),
+    ("target without config.json", lambda p, t: ("target", edited(p[0], t / "c", files={"config.json": None})),
+     "is not a checkpoint: no config.json"),
+]
+
+
+@pytest.mark.parametrize("what, breaks, words", MODEL_PATHS, ids=[m[0] for m in MODEL_PATHS])
+def test_a_bad_model_path_is_named_by_its_field_before_anything_else(tmp_path, pair, what, breaks, words):
+    field, path = breaks(pair, tmp_path)
+    write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "text": "no prompt column"}])  # checked after the paths
+    doc = base_job(pair[0], ["p.jsonl"], model={"drafter": str(pair[1]), field: str(path)})
+    with pytest.raises(JobError) as e:
+        run_job(write_job(tmp_path, doc), never_loaded, Shard(0, 1), progress=False)
+    assert str(e.value) == f"model.{field}: {path} {words}"
+
+
+def test_validate_and_run_refuse_a_missing_column_before_reading_a_checkpoint(tmp_path, model_dir):
+    """Through the command line: exit 2 with the file and the column. The target's architecture
+    is one no engine builds, so a run that loaded it first would fail otherwise."""
+    write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "messages": [{"role": "user", "content": "hi"}]}])
+    doc = base_job(model_dir, ["p.jsonl"], input={"prompt_column": None, "messages_column": "msgs"})
+    write_job(tmp_path, doc)
+    (tmp_path / "typo.yaml").write_text(yaml.safe_dump({**doc, "model": {"target": "modle"}}))
+    threads = torch.get_num_threads()
+    try:
+        for command in (["validate"], ["run", "--no-progress"]):
+            result = CliRunner().invoke(main, [*command, str(tmp_path / "job.yaml")])
+            assert result.exit_code == 2, result.output
+            assert (f"error: {tmp_path / 'p.jsonl'}: column(s) ['msgs'] not found; its first 1 non-empty line(s) "
+                    "have ['id', 'messages']") in result.output
+            result = CliRunner().invoke(main, [*command, str(tmp_path / "typo.yaml")])
+            assert result.exit_code == 2 and f"error: model.target: {tmp_path / 'modle'} does not exist" in \
+                result.output, result.output
+    finally:
+        torch.set_num_threads(threads)  # run sets the threads this process computes with
+    assert not (tmp_path / "out").exists()
+
+
 # -- property: random bytes and random JSON lines --------------------------------------------
 line = st.one_of(
     st.binary(min_size=1, max_size=40).filter(lambda b: b"\n" not in b and b"\r" not in b and b.strip()),
@@ -260,6 +454,10 @@ def test_random_lines_never_crash_and_no_good_row_is_lost(tmp_path_factory, mode
     d = tmp_path_factory.mktemp("random")
     write_jsonl(d / "p.jsonl", lines)
     doc = base_job(model_dir, ["p.jsonl"], input={"workers": 0, "id_column": None})
+    if not any(isinstance(v := _parsed(ln), dict) and "prompt" in v for ln in lines):
+        with pytest.raises(JobError, match=r"(column\(s\) \['prompt'\] not found|is a JSON object)"):
+            run_job(write_job(d, doc), never_loaded, Shard(0, 1), progress=False)
+        return  # no line has the prompt column: refused as a whole
     run_job(write_job(d, doc), fake_factory(), Shard(0, 1), progress=False)
     out = read_out(d / "out")
     kept = [ln for ln in lines if ln.strip()]
@@ -268,9 +466,13 @@ def test_random_lines_never_crash_and_no_good_row_is_lost(tmp_path_factory, mode
     assert sum(r["status"] == "ok" for r in out) == good
 
 
-def _is_good(line: bytes) -> bool:
+def _parsed(line: bytes):
     try:
-        value = orjson.loads(line)
+        return orjson.loads(line)
     except orjson.JSONDecodeError:
-        return False
+        return None
+
+
+def _is_good(line: bytes) -> bool:
+    value = _parsed(line)
     return isinstance(value, dict) and isinstance(value.get("prompt"), str) and bool(value["prompt"].strip())

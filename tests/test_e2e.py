@@ -123,9 +123,10 @@ def test_tensor_parallel_2_run_equals_tp1(tmp_path, pair):
     assert rows("tp1") == rows("tp2")
 
 
-def test_sigterm_stops_every_tp_rank_and_resume_completes(tmp_path, pair):
-    """Slurm signals the launcher only: it must pass SIGTERM on, the ranks must agree where to
-    stop, and a rerun must finish the job without duplicates."""
+@pytest.mark.parametrize("stop, code", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_sigterm_stops_every_tp_rank_and_resume_completes(tmp_path, pair, stop, code):
+    """Slurm signals the launcher only (and `kill -INT` does): it must pass the signal on, the
+    ranks must agree where to stop, and a rerun must finish the job without duplicates."""
     import signal
     import time
 
@@ -142,8 +143,8 @@ def test_sigterm_stops_every_tp_rank_and_resume_completes(tmp_path, pair):
     deadline = time.monotonic() + 120
     while not read_out(tmp_path / "out") and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.1)
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=120) == 143, proc.stderr.read().decode()[-2000:]
+    proc.send_signal(getattr(signal, stop))
+    assert proc.wait(timeout=120) == code, proc.stderr.read().decode()[-2000:]
     done = len(read_out(tmp_path / "out"))
     assert 0 < done < 60
     _run(tmp_path / "job.yaml")

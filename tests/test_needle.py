@@ -43,6 +43,14 @@ def test_prompts_hold_their_needles_at_the_asked_lengths(tmp_path, model_dir):
         assert 0.9 * row["needle_length"] <= tokens <= row["needle_length"], (tokens, row["needle_length"])
 
 
+def test_make_needle_creates_its_output_directory(tmp_path, model_dir):
+    out = tmp_path / "fresh" / "out" / "needles.jsonl"  # as jobs/demo-needle.yaml writes it in a fresh clone
+    result = CliRunner().invoke(main, ["make-needle", str(README), "--tokenizer", str(model_dir), "--lengths", "400",
+                                       "--count", "1", "--keys", "2", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert len(out.read_bytes().splitlines()) == 1
+
+
 class Retriever(FakeEngine):
     """Answers the needle question right when the value is odd, else says something else."""
 

@@ -139,40 +139,6 @@ def test_a_second_process_on_one_shard_is_refused(tmp_path, model_dir):
     assert len(_comparable(read_out(tmp_path / "locked"))) == 80
 
 
-def test_status_names_incomplete_shards_and_the_line_that_finishes_them(tmp_path, model_dir):
-    """Shard 0 runs to its end (complete), shard 1 is preempted (incomplete), shards 2 and 3
-    never start: status says so and prints the sbatch line for 1-3 with the job file."""
-    from click.testing import CliRunner
-
-    from dflash_batch.cli import main
-    from dflash_batch.job import load_job
-    from dflash_batch.runner import Preempted
-
-    job_file = _job(tmp_path, model_dir, "st")
-    job = load_job(job_file)
-    run_job(job, fake_factory(), Shard(0, 4), progress=False, job_file=str(job_file))
-
-    def preempted_at_once(job, tokenizer):
-        engine = fake_factory()(job, tokenizer)
-
-        def generate(requests, bucket):
-            raise Preempted()
-            yield
-
-        engine.generate = generate
-        return engine
-
-    import pytest
-    with pytest.raises(Preempted):
-        run_job(job, preempted_at_once, Shard(1, 4), progress=False, job_file=str(job_file))
-    out = CliRunner().invoke(main, ["status", str(tmp_path / "st")]).output
-    lines = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()[:1].isdigit()}
-    assert lines["0"][-1] == "complete" and lines["1"][-1] == "incomplete", out
-    assert lines["2"][-2:] == ["not", "started"] and lines["3"][-2:] == ["not", "started"], out
-    assert (f"sbatch --array=1-3 --export=ALL,DFLASH_SHARDS=4 jobs/slurm/array.sbatch {job_file.resolve()}"
-            in out), out
-
-
 def test_array_spec():
     from dflash_batch.io.ledger import array_spec
 
@@ -181,8 +147,10 @@ def test_array_spec():
     assert array_spec([2, 3]) == "2-3"
 
 
-def test_a_finished_shard_loads_no_model_until_its_inputs_change(tmp_path, model_dir):
-    from dflash_batch.job import load_job
+def test_a_finished_shard_loads_no_model_and_a_changed_input_is_refused(tmp_path, model_dir):
+    import pytest
+
+    from dflash_batch.job import JobError, load_job
 
     job = load_job(_job(tmp_path, model_dir, "again"))
     assert run_job(job, fake_factory(), Shard(0, 2), progress=False).rows_written > 0
@@ -193,5 +161,5 @@ def test_a_finished_shard_loads_no_model_until_its_inputs_change(tmp_path, model
     again = run_job(job, no_model, Shard(0, 2), progress=False)
     assert again.already_complete and again.rows_written == 0
     (tmp_path / "p.jsonl").write_bytes((tmp_path / "p.jsonl").read_bytes() + b'{"id": "new", "prompt": "x"}\n')
-    grown = run_job(job, fake_factory(), Shard(0, 2), progress=False)  # the inputs changed: it runs
-    assert not grown.already_complete
+    with pytest.raises(JobError, match=r"\(changed: input.paths: p.jsonl differs\)"):  # another run's input
+        run_job(job, fake_factory(), Shard(0, 2), progress=False)

@@ -9,6 +9,7 @@ installs it where it can) or the cluster script."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -103,6 +104,9 @@ def test_array_with_a_preempted_task_commits_every_row_once(slurm, tmp_path):
     assert all(r["status"] == "ok" for r in rows), [r["error"] for r in rows if r["status"] != "ok"]
     status = subprocess.run(["dflash-batch", "status", str(out)], env=env, capture_output=True, text=True, check=True)
     assert "4 shard(s), 4 complete" in status.stdout, status.stdout
+    # Each task recorded the script as submitted (Slurm runs a copy): status resubmits with it.
+    record = json.loads((out / "progress" / "shard-00001.json").read_text())
+    assert record["slurm"]["script"] == str(ROOT / "jobs/slurm/array.sbatch"), record
 
     # One task resubmitted alone, as status's rerun line does it: a finished shard loads nothing.
     again = subprocess.run([*submit[:2], "--array=2", "--export=ALL,DFLASH_SHARDS=4", *submit[3:]], cwd=tmp_path,

@@ -66,6 +66,16 @@ class _FailingFile:
         return getattr(self.f, name)
 
 
+def _path(arg) -> str:
+    return os.readlink(f"/proc/self/fd/{arg}") if isinstance(arg, int) else str(arg)
+
+
+def committed_file(*args) -> bool:
+    """Whether a file operation is on what a run commits (parts, stats, run.json, the card), not
+    on the progress file: that one is a sign of life, whose faults warn (tested below)."""
+    return not any(f"{os.sep}progress" in _path(a) for a in args[:2] if isinstance(a, (int, str, os.PathLike)))
+
+
 STEPS = {
     # step: (what to patch, the call to fail, the words the message must hold)
     "part bytes": ("open", 3, "writing failed"),
@@ -85,7 +95,7 @@ def test_write_fault_loses_nothing_committed(tmp_path, model_dir, monkeypatch, s
     expected = rows(tmp_path / "ref")
     out = tmp_path / "out"
     what, nth, words = STEPS[step]
-    fault = Fault(code, nth)
+    fault = Fault(code, nth, when=committed_file)
     if what in ("open", "stats"):  # the n-th part's bytes, or the stats file's
         real_open, name = open, "part-" if what == "open" else "stats"
         monkeypatch.setattr(outputs, "open", lambda p, mode="r", *a, **k: _FailingFile(real_open(p, mode, *a, **k), fault)
@@ -115,3 +125,13 @@ def test_write_fault_loses_nothing_committed(tmp_path, model_dir, monkeypatch, s
     monkeypatch.undo()
     run_job(job(tmp_path, model_dir, "out"), fake_factory(), Shard(0, 1), progress=False)
     assert rows(out) == expected
+
+
+@pytest.mark.parametrize("call", ["fsync", "replace"])
+def test_a_progress_file_fault_warns_and_the_run_goes_on(tmp_path, model_dir, monkeypatch, capsys, call):
+    run_job(job(tmp_path, model_dir, "ref"), fake_factory(), Shard(0, 1), progress=False)
+    fault = Fault(errno.ENOSPC, 1, when=lambda *args: not committed_file(*args))
+    monkeypatch.setattr(os, call, fault(getattr(os, call)))
+    run_job(job(tmp_path, model_dir, "out"), fake_factory(), Shard(0, 1), progress=False)
+    assert fault.calls >= 1 and rows(tmp_path / "out") == rows(tmp_path / "ref")
+    assert "progress" in capsys.readouterr().err

@@ -3,9 +3,9 @@
 Inputs are read in batches of records so a 10M-row file is never held whole. A path with a
 protocol (`hf://`, `s3://`, `gs://`, `memory://`, ...) is read through fsspec, streamed the same
 way (Parquet by row groups, JSONL line by line), never downloaded whole first. A JSONL line that
-does not parse is not fatal: it comes out as a record with `error` set and becomes an error row.
-A missing file or a Parquet file without a needed column is a job-level error: it stops the
-run before any work, naming the file.
+does not parse is not fatal: it comes out as a record with `error` set (file and line, in words)
+and becomes an error row. A missing file, an empty one, or one without a column the job names
+is a job-level error: it stops the run before any work, naming the file (check_inputs).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from dflash_batch.job import InputSpec, JobError
 
 _EXT_FORMAT = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl",
                ".json": "jsonl"}
+SCHEMA_LINES = 100  # a JSONL file's columns: the keys of its first this many non-empty lines
 
 
 @dataclass(slots=True)
@@ -110,7 +111,7 @@ def expand_paths(paths: list[str], fmt: str) -> list[tuple[InputFile, str]]:
     return out
 
 
-def _source_names(files: list[InputFile]) -> list[str]:
+def source_names(files: list[InputFile]) -> list[str]:
     full = [f.split("://", 1)[1] if isinstance(f, str) else str(f.resolve()) for f in files]
     if len(files) == 1:
         return [os.path.basename(full[0])]
@@ -119,28 +120,37 @@ def _source_names(files: list[InputFile]) -> list[str]:
 
 
 def needed_columns(spec: InputSpec) -> list[str]:
-    cols = [spec.id_column, spec.prompt_column, spec.messages_column, spec.input_ids_column,
+    cols = [spec.id_column, spec.prompt_column, spec.messages_column, spec.input_ids_column, spec.tools_column,
             *spec.passthrough_columns, *spec.sampling_columns.values()]
     return list(dict.fromkeys(c for c in cols if c))
 
 
-def _require_columns(path: InputFile, names: list[str], columns: list[str]) -> None:
+def _require_columns(path: InputFile, names: list[str], columns: list[str], has: str = "the file has") -> None:
     missing = [c for c in columns if c not in names]
     if missing:
-        raise JobError(f"{path}: column(s) {missing} not found; the file has {names}")
+        raise JobError(f"{path}: column(s) {missing} not found; {has} {names}")
+
+
+def _jsonl_record(source: str, index: int, line: bytes) -> Record:
+    """One JSONL line; a bad one says why in words (orjson calls a stray byte "surrogates not
+    allowed", and counts lines and columns within the line)."""
+    try:
+        data = orjson.loads(line)
+    except orjson.JSONDecodeError as e:
+        try:
+            line.decode()
+        except UnicodeDecodeError as bad:
+            why = f"is not valid UTF-8 (byte 0x{line[bad.start]:02x} at position {bad.start})"
+        else:
+            why = f"is not valid JSON ({e.msg} at position {e.pos})"
+        return Record(source, index, None, f"line {index + 1} {why}")
+    if not isinstance(data, dict):
+        return Record(source, index, None, f"line {index + 1} is JSON {type(data).__name__}, not an object")
+    return Record(source, index, data)
 
 
 def _jsonl_records(source: str, lines: list[tuple[int, bytes]]) -> list[Record]:
-    out = []
-    for index, line in lines:
-        try:
-            data = orjson.loads(line)
-            out.append(Record(source, index, data) if isinstance(data, dict) else
-                       Record(source, index, None, f"line {index + 1} is JSON {type(data).__name__}, "
-                              "not an object"))
-        except orjson.JSONDecodeError as e:
-            out.append(Record(source, index, None, f"line {index + 1} is not valid JSON: {e}"))
-    return out
+    return [_jsonl_record(source, index, line) for index, line in lines]
 
 
 def _jsonl_batches(path: InputFile, source: str, batch_rows: int) -> Iterator[Callable[[], list[Record]]]:
@@ -177,7 +187,7 @@ def read_records(spec: InputSpec, part: tuple[int, int] = (0, 1),
     With part=(k, count) only batches k, k + count, k + 2 * count, ... are parsed and returned
     (one worker's share)."""
     files = expand_paths(spec.paths, spec.format) if files is None else files
-    names = _source_names([f for f, _ in files])
+    names = source_names([f for f, _ in files])
     columns = needed_columns(spec)
     k, count = part
     batches = chain.from_iterable(
@@ -201,13 +211,40 @@ def input_fingerprint(spec: InputSpec) -> list | None:
     return out
 
 
+def _jsonl_head(path: InputFile) -> list[Record]:
+    """The first SCHEMA_LINES non-empty lines of a JSONL file, parsed."""
+    batches = _jsonl_batches(path, str(path), SCHEMA_LINES)
+    try:
+        first = next(batches, None)
+        return first() if first else []
+    finally:
+        batches.close()
+
+
 def check_inputs(spec: InputSpec) -> None:
-    """Fail fast on what would stop the run later: missing files, Parquet files without columns."""
-    columns = needed_columns(spec)
+    """Refuse, before any work, inputs that would stop the run or make every row an error row:
+    missing files, empty files (unless input.allow_empty), and files without a column the job
+    names (Parquet: its footer's schema; JSONL: the keys of its first SCHEMA_LINES non-empty
+    lines). A request line's fields are checked per row (io/openai_batch.py)."""
+    columns = [] if spec.format == "openai_batch" else needed_columns(spec)
     for path, kind in expand_paths(spec.paths, spec.format):
         if kind == "parquet":
             with _open(path) as f:
-                _require_columns(path, pq.read_schema(f).names, columns)
+                pf = pq.ParquetFile(f)
+                _require_columns(path, pf.schema_arrow.names, columns)
+                rows = pf.metadata.num_rows
+        else:
+            head = _jsonl_head(path)
+            rows = len(head)
+            objects = [r.data for r in head if r.data is not None]
+            if rows and columns and not objects:
+                raise JobError(f"{path}: none of its first {rows} non-empty line(s) is a JSON object "
+                               f"({head[0].error}): not a JSONL file of rows?")
+            if rows:
+                _require_columns(path, list(dict.fromkeys(k for d in objects for k in d)), columns,
+                                 f"its first {rows} non-empty line(s) have")
+        if not rows and not spec.allow_empty:
+            raise JobError(f"{path}: no rows (an empty file); set input.allow_empty: true if that is expected")
 
 
 def duplicate_ids(spec: InputSpec) -> dict:

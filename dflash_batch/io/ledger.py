@@ -24,9 +24,10 @@ import pyarrow.parquet as pq
 
 from dflash_batch import __version__
 from dflash_batch.io.card import dataset_card
+from dflash_batch.io.fingerprint import identity_changes, run_identity
 from dflash_batch.io.outputs import SCHEMA_VERSION, CommitError, atomic_write_bytes
 from dflash_batch.io.spill import duplicates
-from dflash_batch.job import Job, JobError, is_tuning
+from dflash_batch.job import Job, JobError, is_location, is_tuning
 from dflash_batch.plan.shards import Shard, hash64
 
 
@@ -50,11 +51,11 @@ def _changed_fields(old: dict, new: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def _run_record(job: Job, shard: Shard, job_file: str | None) -> dict:
-    return {"config_hash": job.output_hash(), "num_shards": shard.count,
+def _run_record(job: Job, shard: Shard, job_file: str | None, identity: dict) -> dict:
+    return {"config_hash": job.output_hash(identity), "num_shards": shard.count,
             "schema_version": SCHEMA_VERSION, "dflash_batch": __version__,
             "job_file": str(Path(job_file).resolve()) if job_file else None,
-            "job": job.model_dump(mode="json", exclude={"sharding"})}
+            "identity": identity, "job": job.model_dump(mode="json", exclude={"sharding"})}
 
 
 def check_run(out_dir: Path, job: Job, shard: Shard) -> str:
@@ -63,7 +64,8 @@ def check_run(out_dir: Path, job: Job, shard: Shard) -> str:
     if job.retry is not None and not Path(job.retry.samples).is_file():
         raise JobError(f"retry.samples: {job.retry.samples} does not exist (dflash-batch retry writes it beside "
                        "the retry's job file)")
-    record = _run_record(job, shard, None)
+    identity = run_identity(job, out_dir)
+    record = _run_record(job, shard, None, identity)
     path = out_dir / "run.json"
     if not path.exists():
         return record["config_hash"]
@@ -79,8 +81,15 @@ def check_run(out_dir: Path, job: Job, shard: Shard) -> str:
     if old.get("num_shards") != shard.count:
         raise JobError(f"{out_dir}: the run uses {old.get('num_shards')} shards, this task says "
                        f"{shard.count}. Every task of one run must use the same shard count. {fix}")
+    # A run.json written before runs were hashed by content holds a hash of the paths: such a run
+    # resumes where its files were, and keeps its hash.
+    legacy = "identity" not in old
+    if legacy and old.get("config_hash") == job.output_hash():
+        return old["config_hash"]
     if old.get("config_hash") != record["config_hash"]:
-        changed = [f for f in _changed_fields(old.get("job", {}), record["job"]) if not is_tuning(f)]
+        changed = [f for f in _changed_fields(old.get("job", {}), record["job"])
+                   if not is_tuning(f) and (legacy or not is_location(f))]
+        changed += [] if legacy else identity_changes(old["identity"], identity)
         raise JobError(f"{out_dir}: the job changed since this run started (changed: "
                        f"{', '.join(changed) or 'unknown'}). {fix}")
     return record["config_hash"]
@@ -94,7 +103,9 @@ def lock_run(out_dir: Path, job: Job, shard: Shard, job_file: str | None = None)
     out_dir.mkdir(parents=True, exist_ok=True)
     # The card first: a directory with run.json has it (load_dataset reads the parts through it).
     _create_once(out_dir / "README.md", dataset_card(job).encode())
-    _create_once(out_dir / "run.json", orjson.dumps(_run_record(job, shard, job_file), option=orjson.OPT_INDENT_2))
+    # Fingerprinted now that the directory exists: their cache is saved in it.
+    record = _run_record(job, shard, job_file, run_identity(job, out_dir))
+    _create_once(out_dir / "run.json", orjson.dumps(record, option=orjson.OPT_INDENT_2))
     return check_run(out_dir, job, shard)
 
 
@@ -115,6 +126,11 @@ def _create_once(path: Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def lock_path(out_dir: Path, index: int) -> Path:
+    """The file a shard's writer holds locked (`status` asks the kernel whether one does)."""
+    return shard_dir(out_dir, index) / ".writer.lock"
+
+
 @contextmanager
 def shard_lock(out_dir: Path, index: int) -> Iterator[None]:
     """Hold this shard's writer lock: an OS lock (POSIX, so NFS honours it across nodes) that the
@@ -122,7 +138,7 @@ def shard_lock(out_dir: Path, index: int) -> Iterator[None]:
     of the same directory is refused instead of interleaving parts with the first."""
     d = shard_dir(out_dir, index)
     d.mkdir(parents=True, exist_ok=True)
-    fd = os.open(d / ".writer.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(lock_path(out_dir, index), os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:

@@ -1,7 +1,7 @@
 """From input records to prepared rows: id, prompt tokens, sampling, bucket, or an error.
 
-Everything wrong with one row (bad JSON, missing or mistyped prompt, empty prompt, over-long
-prompt, a bad per-row override) becomes an error row here; the job goes on.
+Everything wrong with one row (bad JSON, missing or mistyped prompt, empty prompt, a malformed
+chat message, over-long prompt, a bad per-row override) becomes an error row here; the job goes on.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dflash_batch.io.inputs import Record
 from dflash_batch.io.openai_batch import RequestError, request_fields
 from dflash_batch.job import GRAMMAR_FIELDS, Job, SamplingSpec
 from dflash_batch.plan.buckets import assign_bucket
+from dflash_batch.plan.messages import message_problem
 from dflash_batch.plan.shards import Shard, hash64, shard_of
 from dflash_batch.plan.tokenize import Tokenizer
 
@@ -150,10 +151,12 @@ class RowPreparer:
             else:
                 return "text", value
         elif kind == "chat":
-            if not (isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value)):
+            if not isinstance(value, list):
                 row.fail("bad_prompt_type", f"column {col!r} must be a list of {{role, content}} messages")
             elif not value:
                 row.fail("empty_prompt", f"column {col!r} has no messages")
+            elif (problem := message_problem(value)) is not None:
+                row.fail("bad_message", f"{col}{problem}")
             else:
                 if spec.system_prompt and value[0].get("role") != "system":
                     value = [{"role": "system", "content": spec.system_prompt}, *value]
