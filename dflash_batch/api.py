@@ -129,9 +129,16 @@ def _run(job: Job, engine_factory: EngineFactory, shard: Shard, progress: bool) 
 
     def work() -> None:
         try:
-            if run_job(job, committed_first, shard, progress=progress, on_row=on_row).already_complete:
+            result = run_job(job, committed_first, shard, progress=progress, on_row=on_row)
+            if result.already_complete:
                 for row in _committed(out_dir, shard.index):  # finished before: no engine was built
                     on_row(row)
+            elif result.progress is not None and result.progress.too_many_errors(job.output.max_error_fraction):
+                # as `run` exits 3: every row was yielded and committed, then the run says it failed
+                finished.put(JobError(f"{out_dir}: more error rows than output.max_error_fraction "
+                                      f"({job.output.max_error_fraction}), by error_type:\n"
+                                      + "\n".join(result.progress.error_summary())))
+                return
             finished.put(_DONE)
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
             finished.put(e)

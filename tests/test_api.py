@@ -144,3 +144,18 @@ def test_a_second_call_on_the_same_output_while_one_runs_is_refused(tmp_path, mo
     got += list(first)
     assert sorted(r["row_id"] for r in got) == sorted(f"r{i}" for i in range(20))
     assert len(read_out(tmp_path / "out")) == 20
+
+
+def test_a_run_whose_rows_mostly_failed_raises_after_yielding_them(tmp_path, model_dir):
+    """output.max_error_fraction holds for generate as for `run` (exit 3): every row is yielded
+    and committed, then a JobError with the summary by error_type."""
+    rows = [{"id": f"r{i}", "prompt": "" if i else "hello"} for i in range(4)]  # 3 empty_prompt rows of 4
+    doc = base_job(model_dir, ["p.jsonl"])
+    got = []
+    with pytest.raises(JobError, match="empty_prompt: 3"):
+        for row in dflash_batch.generate(rows, write_job(tmp_path, doc), engine_factory=fake_factory()):
+            got.append(row)
+    assert len(got) == 4 and len(read_out(tmp_path / "out")) == 4
+    lenient = {**doc, "output": {**doc["output"], "dir": "lenient", "max_error_fraction": 0.8}}
+    assert len(list(dflash_batch.generate(rows, write_job(tmp_path, lenient, "l.yaml"),
+                                          engine_factory=fake_factory()))) == 4
