@@ -1,7 +1,7 @@
 """One line that says what the GPU check runs on: which nvcc and CUDA_HOME, which libcudart,
-which GPU, the versions of torch, Triton, flashinfer and fla, and whether each flashinfer module
-the check uses is prebuilt (benchmarks/prebuild_flashinfer.py). Exits 1 when something the check
-needs is missing, after printing everything it found.
+which GPU, the versions of torch, Triton, flashinfer and fla (`prebuild_flashinfer.py check`, run
+after it, loads the prebuilt modules). Exits 1 when something the check needs is missing, after
+printing everything it found.
 
 python benchmarks/gpu_preflight.py [--no-gpu]   # --no-gpu: the device twin, on a CPU machine
 """
@@ -19,8 +19,6 @@ import sys
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def version(package: str) -> str | None:
@@ -61,17 +59,11 @@ def main() -> None:
         gpu = dict(name=p.name, sm=f"{p.major}{p.minor}", gib=round(p.total_memory / 2**30), count=torch.cuda.device_count())
     elif not a.no_gpu:
         problems.append("no CUDA device")
-    prebuilt = {}
-    if version("flashinfer-python"):
-        from prebuild_flashinfer import MODULES, spec
-
-        prebuilt = {name: spec(name).is_aot for name in MODULES}  # loaded by `prebuild_flashinfer.py check`
-        problems += [f"flashinfer module {name} not prebuilt" for name, ok in prebuilt.items() if not ok]
-    else:
+    if not version("flashinfer-python"):
         problems.append("flashinfer not installed")
     line = dict(nvcc=nvcc, cuda_home=home, nvcc_version=nvcc_version, libcudart=libcudart(), gpu=gpu,
                 torch=torch.__version__, torch_cuda=torch.version.cuda, triton=version("triton"),
-                flashinfer=version("flashinfer-python"), fla=version("fla-core"), prebuilt=prebuilt,
+                flashinfer=version("flashinfer-python"), fla=version("fla-core"),
                 jit_disabled=bool(os.environ.get("FLASHINFER_DISABLE_JIT")), problems=problems)
     print(json.dumps(line))
     sys.exit(1 if problems else 0)
