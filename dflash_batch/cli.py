@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -33,6 +34,25 @@ def exit_now(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+@contextlib.contextmanager
+def stops_before_any_row():
+    """SIGTERM or Ctrl-C before the run takes them over (importing torch, checking the inputs:
+    seconds on a busy node, where Slurm's requeue may land) stops with the same word and exit
+    code as later, not with Python's silent death by SIGTERM or click's `Aborted!`. Nothing has
+    been written yet, so there is nothing to commit."""
+    def stop(signum: int, _frame: object) -> None:
+        word = "interrupted" if signum == signal.SIGINT else "terminated"
+        click.echo(f"{word} before the first row: {RESUME_HINT}", err=True)
+        exit_now(EXIT_INTERRUPTED if signum == signal.SIGINT else EXIT_PREEMPTED)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _fail(e: Exception) -> None:
@@ -155,6 +175,12 @@ def run(job_file: str, shard_text: str | None, output_dir: str | None, no_progre
 
     With model.tensor_parallel_size N > 1 it starts N local rank processes itself, unless it is
     already one of N ranks started by torchrun or srun."""
+    with stops_before_any_row():
+        _run(job_file, shard_text, output_dir, no_progress, eager, dry_run)
+
+
+def _run(job_file: str, shard_text: str | None, output_dir: str | None, no_progress: bool, eager: bool,
+         dry_run: bool) -> None:
     from dflash_batch import parallel
 
     try:

@@ -185,6 +185,31 @@ def test_ctrl_c_while_the_model_loads(tmp_path, model_dir, second):
     assert orjson.loads(record.read_bytes())["state"] == "stopped"
 
 
+# `dflash-batch run` itself, held while it checks the inputs (before the run takes the signals):
+# Slurm's requeue may land there, seconds into a task on a busy node.
+_HELD = ("import sys, time\n"
+         "import dflash_batch.runner as runner\n"
+         "def held(job):\n"
+         "    print('checking', file=sys.stderr, flush=True)\n"
+         "    time.sleep(60)\n"
+         "runner.check_job = held\n"
+         "from dflash_batch.cli import main\n"
+         "main(['run', sys.argv[1], '--no-progress'])\n")
+
+
+@pytest.mark.parametrize("signum, code, word", [(signal.SIGTERM, 143, "terminated"),
+                                                (signal.SIGINT, 130, "interrupted")])
+def test_a_signal_before_the_run_takes_it_stops_with_its_exit_code(tmp_path, model_dir, signum, code, word):
+    proc = subprocess.Popen([sys.executable, "-c", _HELD, str(_job(tmp_path, model_dir))], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _started.append(proc)
+    assert proc.stderr.readline().strip() == "checking"
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == code, (proc.returncode, err)
+    assert f"{word} before the first row: {HINT}" in err and "Traceback" not in err, err
+
+
 def test_ctrl_c_before_the_run_takes_the_signal_exits_130_too(tmp_path, model_dir, monkeypatch):
     """While the inputs are checked, Ctrl-C is Python's KeyboardInterrupt: no row is finished yet."""
     import dflash_batch.runner

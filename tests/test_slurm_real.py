@@ -88,10 +88,13 @@ def test_array_with_a_preempted_task_commits_every_row_once(slurm, tmp_path):
               str(ROOT / "jobs/slurm/array.sbatch"), str(_demo_job(tmp_path)), "--output-dir", str(out)]
     job = subprocess.run(submit, cwd=tmp_path, env=env, capture_output=True, text=True, check=True).stdout.strip()
     log = tmp_path / "logs" / f"dflash-batch-{job}_1.out"
-    # Preempt task 1 a few seconds after it starts: while it decodes (a SIGTERM while it loads the
-    # demo pair would stop it before its first row, as well).
-    _wait(env, job, lambda t: t.get("1") == "RUNNING", 300, "task 1 to start")
-    time.sleep(4)
+    # Preempt task 1 while it decodes: once its progress record says its rows began (the models
+    # loaded), however long a busy machine takes to get there.
+    record = out / "progress" / "shard-00001.json"
+    deadline = time.monotonic() + 300
+    while not (record.exists() and json.loads(record.read_text())["state"] == "running"):
+        assert time.monotonic() < deadline, f"timed out waiting for task 1's rows: {_tasks(env, job)}"
+        time.sleep(0.2)
     assert _tasks(env, job).get("1") == "RUNNING", "task 1 finished before it could be preempted"
     subprocess.run(["scontrol", "requeue", f"{job}_1"], env=env, check=True, capture_output=True)
     _wait(env, job, lambda t: not t, 600, "every task to finish")
