@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from dflash_batch.io.progress import read_progress
 from dflash_batch.job import load_job
 from tests.jobs_util import read_out
 
@@ -90,11 +91,7 @@ def test_array_with_a_preempted_task_commits_every_row_once(slurm, tmp_path):
     log = tmp_path / "logs" / f"dflash-batch-{job}_1.out"
     # Preempt task 1 while it decodes: once its progress record says its rows began (the models
     # loaded), however long a busy machine takes to get there.
-    record = out / "progress" / "shard-00001.json"
-    deadline = time.monotonic() + 300
-    while not (record.exists() and json.loads(record.read_text())["state"] == "running"):
-        assert time.monotonic() < deadline, f"timed out waiting for task 1's rows: {_tasks(env, job)}"
-        time.sleep(0.2)
+    _wait(env, job, lambda t: (read_progress(out, 1) or {}).get("state") == "running", 300, "task 1's rows")
     assert _tasks(env, job).get("1") == "RUNNING", "task 1 finished before it could be preempted"
     subprocess.run(["scontrol", "requeue", f"{job}_1"], env=env, check=True, capture_output=True)
     _wait(env, job, lambda t: not t, 600, "every task to finish")
