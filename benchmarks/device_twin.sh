@@ -23,12 +23,15 @@ fail=0
 row() { printf '| %-34s | %-6s | %s |\n' "$1" "$2" "$3" >> "$OUT/summary.md"; [[ $2 == ok ]] || fail=1; }
 printf '| step | result | detail |\n|---|---|---|\n' > "$OUT/summary.md"
 
-py312=$(command -v python3.12 || ls -d "$HOME"/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | tail -n 1)
-[[ -x ${py312:-} ]] || { echo "no Python 3.12 here (the device's): install one (pyenv, apt python3.12)" >&2; exit 1; }
+py312=  # the first that runs: a pyenv shim is on PATH even where its version is not selected
+for candidate in $(command -v python3.12) "$HOME"/.pyenv/versions/3.12*/bin/python3.12; do
+  "$candidate" -c pass 2> /dev/null && { py312=$candidate; break; }
+done
+[[ -n $py312 ]] || { echo "no Python 3.12 here (the device's): install one (pyenv, apt python3.12)" >&2; exit 1; }
 PY=$TWIN/venv/bin/python3
 if [[ ! -x $PY ]]; then
   t0=$SECONDS
-  "$py312" -m venv "$TWIN/venv"
+  "$py312" -m venv "$TWIN/venv" || exit 1
   "$PY" -m pip install -q torch==2.11.0 triton==3.6.0 numpy pytest pytest-timeout hypothesis click einops ninja \
     nvidia-ml-py packaging requests tabulate tqdm safetensors pyarrow pyyaml tokenizers tiktoken jinja2 matplotlib \
     typing-extensions filelock 2> >(grep -v "is ignored: it is neither" >&2) || exit 1
