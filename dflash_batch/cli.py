@@ -198,10 +198,19 @@ def _run(job_file: str, shard_text: str | None, output_dir: str | None, no_progr
         _fail(e)
     tp = job.model.tensor_parallel_size
     if parallel.init_from_env():
+        from torch.distributed import DistError
+
         if parallel.world_size() != tp:
             _fail(JobError(f"started with {parallel.world_size()} ranks but model.tensor_parallel_size is {tp}"))
         _set_threads(1)  # one rank a process: srun's --cpus-per-task, or OMP_NUM_THREADS per rank
-        _run_shard(job, shard, not no_progress, job_file)
+        try:
+            _run_shard(job, shard, not no_progress, job_file)
+        except Exception as e:  # this rank failed, or a collective found a rank gone: say which, stop the group
+            click.echo(f"error: {parallel.describe_rank()}: {type(e).__name__}: {e}", err=True)
+            if isinstance(e, DistError) or "closed by peer" in str(e):  # NCCL's word for a rank gone; gloo's
+                click.echo("the tensor-parallel group lost a rank: the first one to fail names itself in its "
+                           f"log (a rank killed outright names nobody: see its node's log). {RESUME_HINT}", err=True)
+            sys.exit(1)
     elif tp == 1:
         _set_threads(1)
         _run_shard(job, shard, not no_progress, job_file)

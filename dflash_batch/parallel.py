@@ -8,6 +8,7 @@ collective is the identity, so the same model code runs single-process.
 from __future__ import annotations
 
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -103,18 +104,52 @@ def local_gpu(env: dict[str, str], gpus: int) -> int:
     return int(local) if local is not None else int(env.get("RANK", "0")) % max(gpus, 1)
 
 
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm host list ("gpu[07-08,11],login2" -> "gpu07"): Slurm's own order,
+    the one `scontrol show hostnames` prints, so every rank picks the same one."""
+    head, depth = "", 0
+    for ch in nodelist:
+        if ch == "," and depth == 0:
+            break
+        depth += (ch == "[") - (ch == "]")
+        head += ch
+    while "[" in head:  # a bracket: its first range's first number, zero padding kept
+        prefix, rest = head.split("[", 1)
+        inside, suffix = rest.split("]", 1)
+        head = prefix + inside.split(",")[0].split("-")[0] + suffix
+    return head
+
+
+def slurm_rendezvous(env: dict[str, str]) -> dict[str, str]:
+    """The variables env:// needs for ranks srun started (one task a rank, SLURM_STEP_NUM_TASKS
+    of them): the allocation's first host as the address, and a port from the job id, so the
+    tasks of one job meet without a hand-set MASTER_ADDR and two jobs on one node do not meet.
+    {} for a process srun did not start (a batch script, torchrun's workers, a login shell)."""
+    if "SLURM_STEP_NUM_TASKS" not in env or "WORLD_SIZE" in env:
+        return {}
+    job = int(env.get("SLURM_JOB_ID", "0"))
+    return {"WORLD_SIZE": env["SLURM_STEP_NUM_TASKS"], "RANK": env.get("SLURM_PROCID", "0"),
+            "MASTER_ADDR": env.get("MASTER_ADDR") or first_host(env.get("SLURM_STEP_NODELIST")
+                                                                 or env.get("SLURM_JOB_NODELIST", "127.0.0.1")),
+            "MASTER_PORT": env.get("MASTER_PORT") or str(20000 + job % 10000)}  # below Linux's ephemeral range
+
+
 def init_from_env(backend: str | None = None) -> bool:
-    """Join the process group described by torchrun/srun variables; False if there is none. On
-    CUDA each rank takes its own GPU before the group starts (NCCL binds to the current one)."""
+    """Join the process group described by torchrun's or srun's variables; False if there is
+    none. On CUDA each rank takes its own GPU before the group starts (NCCL binds to the current
+    one)."""
     if dist.is_initialized():
         return True
-    env_world = os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS")
-    if env_world is None or int(env_world) == 1:
+    os.environ.update(slurm_rendezvous(dict(os.environ)))
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return False
-    os.environ.setdefault("RANK", os.environ.get("SLURM_PROCID", "0"))
-    os.environ.setdefault("WORLD_SIZE", env_world)
     if torch.cuda.is_available():
         torch.cuda.set_device(local_gpu(dict(os.environ), torch.cuda.device_count()))
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     dist.init_process_group(backend)
     return True
+
+
+def describe_rank() -> str:
+    """"rank R of N on HOST": how a rank's messages name it in a log every rank writes to."""
+    return f"rank {rank()} of {world_size()} on {socket.gethostname()}"

@@ -94,6 +94,7 @@ class _Run:
                       "dflash_batch.job": job.model_dump_json()})
         self.stop = threading.Event()
         self.running = self.committing = False  # where on_signal may stop the run at once
+        self.stopped_together = False  # every rank stopped at the same row (and waits for rank 0's commit)
         self.signum = signal.SIGTERM  # the first stop signal's (the exit code says which)
         self.tensor_parallel = parallel.world_size() > 1
         self.default_params = self._params(job.sampling)
@@ -190,6 +191,7 @@ class _Run:
         # Every rank commits the same rows in the same order; they agree on stopping here.
         stop = parallel.any_rank(self.stop.is_set()) if self.tensor_parallel else self.stop.is_set()
         if stop:
+            self.stopped_together = self.tensor_parallel
             self._stop()
 
     def committed(self) -> int:
@@ -396,6 +398,8 @@ def run_job(job: Job, engine_factory: EngineFactory, shard: Shard, progress: boo
                         write_shard_stats(out_dir, shard.index, complete=False, inputs=inputs,
                                           count=not isinstance(e, Preempted))
                 tally.end("stopped" if isinstance(e, Preempted) else "failed", run.committed() if run else 0)
+                if isinstance(e, Preempted) and run is not None and run.stopped_together:
+                    parallel.barrier()  # no rank exits before rank 0 committed: srun stops a step at its first exit
                 raise
             tally.end("finished", written)
     finally:

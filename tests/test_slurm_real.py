@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from dflash_batch.io.progress import read_progress
+from dflash_batch.parallel import first_host
 from dflash_batch.job import load_job
 from tests.jobs_util import read_out
 
@@ -113,3 +114,45 @@ def test_array_with_a_preempted_task_commits_every_row_once(slurm, tmp_path):
                            env=env, capture_output=True, text=True, check=True).stdout.strip()
     _wait(env, again, lambda t: not t, 120, "the resubmitted task")
     assert "already complete for these inputs" in (tmp_path / "logs" / f"dflash-batch-{again}_2.out").read_text()
+
+
+# -- one TP group started by srun: jobs/slurm/multinode.sbatch -------------------------------------
+def test_first_host_is_scontrol_s(slurm):
+    from tests.test_tp import HOST_LISTS
+
+    for nodelist, first in HOST_LISTS.items():
+        hosts = subprocess.run(["scontrol", "show", "hostnames", nodelist], env=slurm, capture_output=True,
+                               text=True, check=True).stdout.split()
+        assert hosts[0] == first == first_host(nodelist), (nodelist, hosts)
+
+
+def test_srun_ranks_of_one_tp_group_requeued_mid_decode_write_tp1_s_rows_once(slurm, tmp_path):
+    """The multi-node template on this one node: `srun` starts 2 tasks, the ranks of one TP2 group,
+    which find each other from Slurm's variables alone; a requeue while they decode stops both at
+    one row, and the restarted task writes the rest: every row once, equal to one process's."""
+    from tests.test_multinode import CLI, assert_rows_equal_tp1, kimi_job, make_cli_kimi_pair, stable_rows
+
+    env = {k: v for k, v in slurm.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")}
+    pair = make_cli_kimi_pair(tmp_path / "pair")
+    reference = kimi_job(tmp_path, pair, "tp1", rows=24, rows_per_part=1)
+    done = subprocess.run([*CLI, "run", str(reference), "--no-progress"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    job_file = kimi_job(tmp_path, pair, "out", rows=24, tp=2, rows_per_part=1)
+    (tmp_path / "logs").mkdir()
+    submit = ["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1",
+              str(ROOT / "jobs/slurm/multinode.sbatch"), str(job_file)]
+    job = subprocess.run(submit, cwd=tmp_path, env=env, capture_output=True, text=True, check=True).stdout.strip()
+    out = tmp_path / "out"
+    _wait(env, job, lambda t: len(read_out(out)) >= 2 or not t, 600, "the group's first rows")
+    assert _tasks(env, job), "the job finished before it could be requeued"
+    subprocess.run(["scontrol", "requeue", job], env=env, check=True, capture_output=True)
+    _wait(env, job, lambda t: not t, 900, "the requeued job to finish")
+    logs = list((tmp_path / "logs").glob(f"dflash-batch-{job}*.out"))
+    text = "".join(p.read_text() for p in logs)
+    assert "(restart 1)" in text and "2 ranks on" in text, text[-3000:]
+    assert "0: terminated: finished rows are committed" in text, text[-3000:]  # srun --label: rank 0's line
+    rows = stable_rows(out)
+    keys = Counter((r["row_id"], r["sample_index"]) for r in rows)
+    assert len(keys) == 48 and max(keys.values()) == 1
+    assert_rows_equal_tp1(rows, stable_rows(tmp_path / "tp1"))

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from dflash_batch.parallel import local_gpu
+from dflash_batch.parallel import first_host, local_gpu, slurm_rendezvous
 from tests import tp_worker
 from tests.numerics import assert_close
 from tests.tiny_models import make_qwen3_checkpoint
@@ -47,3 +47,30 @@ def test_tp2_matches_tp1(tmp_path, dtype):
 ], ids=["torchrun", "srun", "rank", "both"])
 def test_each_rank_takes_its_nodes_gpu(env, gpus, want):
     assert local_gpu(env, gpus) == want
+
+
+# Host lists as Slurm writes them; the first host is the one `scontrol show hostnames` prints
+# first (tests/test_slurm_real.py asks the real scontrol the same).
+HOST_LISTS = {"gpu[07-08,11],login2": "gpu07", "login2,gpu[07-08]": "login2", "x[3]y[5-6]": "x3y5",
+              "rack[2-3]-n[010-011]": "rack2-n010", "solo": "solo", "a-b.c,d": "a-b.c"}
+
+
+@pytest.mark.parametrize("nodelist", HOST_LISTS)
+def test_first_host_of_a_slurm_host_list(nodelist):
+    assert first_host(nodelist) == HOST_LISTS[nodelist]
+
+
+def test_ranks_srun_started_meet_at_the_first_host_on_the_job_s_port():
+    srun = {"SLURM_STEP_NUM_TASKS": "16", "SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_JOB_ID": "4242",
+            "SLURM_JOB_NODELIST": "h200-[03-04]", "SLURM_STEP_NODELIST": "h200-[03-04]"}
+    assert slurm_rendezvous(srun) == {"WORLD_SIZE": "16", "RANK": "9", "MASTER_ADDR": "h200-03", "MASTER_PORT": "24242"}
+    other_job = slurm_rendezvous({**srun, "SLURM_JOB_ID": "4243"})
+    assert other_job["MASTER_PORT"] != "24242"
+    # a step on part of the allocation: its own tasks and nodes, not the job's
+    step = slurm_rendezvous({**srun, "SLURM_STEP_NUM_TASKS": "8", "SLURM_STEP_NODELIST": "h200-04"})
+    assert (step["WORLD_SIZE"], step["MASTER_ADDR"]) == ("8", "h200-04")
+    # a hand-set address or port wins
+    assert slurm_rendezvous({**srun, "MASTER_ADDR": "ib0-h200-03"})["MASTER_ADDR"] == "ib0-h200-03"
+    # not srun's tasks: a batch script asked for 16 tasks (it spawns its own ranks), torchrun's workers
+    assert slurm_rendezvous({k: v for k, v in srun.items() if not k.startswith("SLURM_STEP")}) == {}
+    assert slurm_rendezvous({**srun, "WORLD_SIZE": "4", "RANK": "1"}) == {}

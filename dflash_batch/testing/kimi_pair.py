@@ -63,14 +63,14 @@ def set_target_head(target_dir: Path, head: torch.Tensor) -> None:
     raise KeyError(f"no language_model.lm_head.weight in {target_dir}")
 
 
-def peaked_head(seed: int, scale: float = 3.0, active: int = ACTIVE) -> torch.Tensor:
+def peaked_head(seed: int, scale: float = 3.0, active: int = ACTIVE, vocab: int = VOCAB) -> torch.Tensor:
     """Near rank one on the first `active` tokens, logits ~ scale * (h.u) * c + noise: the argmax is
     mostly a token at one end of c, which the drafter (borrowing this head) also tends to propose,
     so rounds accept 0..B-1 drafts. The other tokens get a faint noise row rather than zeros, so no
     two logits tie exactly (a top-k cut through a tie would depend on the sort's tie order)."""
     gen = torch.Generator().manual_seed(seed + 99)
     u = torch.randn(HIDDEN, generator=gen) / HIDDEN ** 0.5
-    head = 0.001 * torch.randn(VOCAB, HIDDEN, generator=gen)
+    head = 0.001 * torch.randn(vocab, HIDDEN, generator=gen)
     head[:active] += scale * torch.outer(torch.linspace(-1, 1, active), u)
     head[:active] += 0.05 * torch.randn(active, HIDDEN, generator=gen)
     return head
@@ -84,9 +84,9 @@ def make_kimi_pair(directory: str | Path, stream: str = "prefix", window: int = 
     `target_overrides` widen the pair (the peaked head is the tiny width's)."""
     directory = Path(directory)
     target = make_kimi_checkpoint(directory / "target", seed=seed, **target_overrides)
-    if peaked:
-        set_target_head(target, peaked_head(seed, head_scale, active))
     vocab = target_overrides.get("vocab_size", VOCAB)
+    if peaked:
+        set_target_head(target, peaked_head(seed, head_scale, active, vocab))
     layers = target_overrides.get("num_hidden_layers", 8)
     drafter = directory / f"drafter_{stream}"
     drafter.mkdir(parents=True, exist_ok=True)

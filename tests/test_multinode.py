@@ -1,0 +1,133 @@
+"""One tensor-parallel group across nodes, on the CPU: the tiny Kimi-K3 + DFlash2-MLA pair at TP4
+as two "nodes" of two ranks (two `torchrun --nnodes 2 --node-rank 0/1` launches meeting over
+gloo, as two hosts' launches meet over NCCL) writes, through `dflash-batch run`, the rows that one
+process writes at TP1: greedy and sampled rows, tokens, logprobs and acceptance statistics. A rank
+killed mid-run takes both launches down, each exiting non-zero, the survivors naming themselves.
+The same group started by srun on a real Slurm: tests/test_slurm_real.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_batch.testing.kimi_pair import make_kimi_pair
+from dflash_batch.testing.tokenizer import make_tokenizer_dir
+from tests.jobs_util import base_job, read_out, write_job, write_jsonl
+from tests.test_tp import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+CLI = [sys.executable, "-m", "dflash_batch.cli"]
+VOCAB = 320  # holds the tiny tokenizer's 261 ids; 80 vocabulary rows a rank at TP4
+VOLATILE = {"ttft_s", "latency_s", "config_hash"}  # timings, and the hash of a job whose paths differ
+
+
+def make_cli_kimi_pair(directory: Path) -> tuple[Path, Path]:
+    """The tiny pair with a tokenizer, wide enough for TP4: one of 4 MLA and KDA heads a rank,
+    32 of each expert's 128 intermediate columns (a whole MXFP4 scale group)."""
+    target, drafter = make_kimi_pair(directory, stream="attn_res", vocab_size=VOCAB, moe_intermediate_size=128)
+    make_tokenizer_dir(target, vocab_size=256)
+    return target, drafter
+
+
+def kimi_job(tmp_path: Path, pair: tuple[Path, Path], out: str, rows: int = 8, tp: int = 1,
+             max_new_tokens: int = 24, rows_per_part: int = 2) -> Path:
+    """Token-id prompts, every other row sampled (temperature 1, top-p 0.95, 2 samples) and the
+    rest greedy, with logprobs: one run covers both decoding modes."""
+    target, drafter = pair
+    data = [{"id": f"r{i}", "ids": [(7 * i + 3 * j) % 250 + 3 for j in range(5 + 9 * (i % 4))],
+             "temperature": 1.0 if i % 2 else 0.0} for i in range(rows)]
+    write_jsonl(tmp_path / "kimi_prompts.jsonl", data)
+    doc = base_job(target, ["kimi_prompts.jsonl"], model={"drafter": str(drafter), "tensor_parallel_size": tp},
+                   input={"prompt_column": None, "input_ids_column": "ids",
+                          "sampling_columns": {"temperature": "temperature"}},
+                   sampling={"max_new_tokens": max_new_tokens, "top_p": 0.95, "n": 2, "seed": 3, "logprobs": 2},
+                   output={"dir": out, "rows_per_part": rows_per_part})
+    doc["engine"].update(max_num_seqs=3, compile=False)
+    write_job(tmp_path, doc, f"{out}.yaml")
+    return tmp_path / f"{out}.yaml"
+
+
+def stable_rows(out_dir: Path) -> list[dict]:
+    rows = ({k: v for k, v in r.items() if k not in VOLATILE} for r in read_out(out_dir))
+    return sorted(rows, key=lambda r: (r["row_id"], r["sample_index"]))
+
+
+def assert_rows_equal_tp1(rows: list[dict], tp1: list[dict]) -> None:
+    """Tokens, text and statistics exactly; logprobs at 1e-4 of their size (float32: four ranks sum
+    their partial products in another order than one process, tests/test_tp.py)."""
+    logprob_fields = ("logprobs", "top_logprobs")
+    strip = [{k: v for k, v in r.items() if k not in logprob_fields} for r in (*rows, *tp1)]
+    assert strip[:len(rows)] == strip[len(rows):]
+    for got, want in zip(rows, tp1):
+        flat = [(torch.tensor(got[f], dtype=torch.float64), torch.tensor(want[f], dtype=torch.float64))
+                for f in logprob_fields]
+        for g, w in flat:
+            assert g.shape == w.shape and torch.allclose(g, w, rtol=1e-4, atol=1e-5), (got["row_id"], g, w)
+
+
+def torchrun_node(node: int, port: int, job_file: Path, **popen) -> subprocess.Popen:
+    """One node's launch: torchrun starting 2 of the 4 ranks, meeting the other node's at the
+    address and port every node is given."""
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
+                             str(node), "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
+                             str(port), "-m", "dflash_batch.cli", "run", str(job_file), "--no-progress"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> tuple[Path, Path]:
+    return make_cli_kimi_pair(tmp_path_factory.mktemp("kimi_cli"))
+
+
+@pytest.fixture(scope="module")
+def tp1(pair, tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("tp1")
+    done = subprocess.run([*CLI, "run", str(kimi_job(d, pair, "out")), "--no-progress"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return d / "out"
+
+
+def test_tp4_across_two_nodes_equals_tp1(pair, tp1, tmp_path):
+    job = kimi_job(tmp_path, pair, "out", tp=4)
+    port = free_port()
+    nodes = [torchrun_node(n, port, job) for n in (0, 1)]
+    logs = [p.communicate(timeout=900)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], "\n".join(log[-3000:] for log in logs)
+    rows = stable_rows(tmp_path / "out")
+    assert_rows_equal_tp1(rows, stable_rows(tp1))
+    assert {r["status"] for r in rows} == {"ok"} and len(rows) == 16
+    greedy = [r for r in rows if int(r["row_id"][1:]) % 2 == 0]
+    assert greedy and all(r["spec_histogram"] for r in rows)  # both modes ran, and speculated
+    assert "rows committed this run" in logs[0] and "rows committed this run" not in logs[1]  # rank 0 reports
+
+
+def test_a_rank_killed_on_one_node_stops_both_and_the_survivors_name_themselves(pair, tmp_path):
+    job = kimi_job(tmp_path, pair, "out", rows=60, tp=4, max_new_tokens=48, rows_per_part=1)
+    port = free_port()
+    nodes = [torchrun_node(n, port, job, start_new_session=True) for n in (0, 1)]
+    deadline = time.monotonic() + 600
+    while not read_out(tmp_path / "out") and time.monotonic() < deadline and all(p.poll() is None for p in nodes):
+        time.sleep(0.2)
+    assert read_out(tmp_path / "out"), "no row was committed before the deadline"
+    workers = subprocess.run(["pgrep", "-P", str(nodes[1].pid)], capture_output=True, text=True).stdout.split()
+    assert workers, "node 1's torchrun has no workers"
+    os.kill(int(workers[-1]), signal.SIGKILL)  # one rank of node 1, outright: it can say nothing
+    try:
+        logs = [p.communicate(timeout=300)[0] for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert all(p.returncode != 0 for p in nodes), [p.returncode for p in nodes]
+    assert "the tensor-parallel group lost a rank" in logs[0], logs[0][-3000:]
+    assert "error: rank 0 of 4 on" in logs[0] or "error: rank 1 of 4 on" in logs[0], logs[0][-3000:]
+    done = {(r["row_id"], r["sample_index"]) for r in read_out(tmp_path / "out")}
+    assert 0 < len(done) < 120
