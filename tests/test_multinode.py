@@ -117,7 +117,7 @@ def test_a_rank_killed_on_one_node_stops_both_and_the_survivors_name_themselves(
     while not read_out(tmp_path / "out") and time.monotonic() < deadline and all(p.poll() is None for p in nodes):
         time.sleep(0.2)
     assert read_out(tmp_path / "out"), "no row was committed before the deadline"
-    workers = subprocess.run(["pgrep", "-P", str(nodes[1].pid)], capture_output=True, text=True).stdout.split()
+    workers = Path(f"/proc/{nodes[1].pid}/task/{nodes[1].pid}/children").read_text().split()  # torchrun's
     assert workers, "node 1's torchrun has no workers"
     os.kill(int(workers[-1]), signal.SIGKILL)  # one rank of node 1, outright: it can say nothing
     try:
