@@ -48,9 +48,10 @@ class Preempted(BaseException):
     resumed run. A BaseException, as KeyboardInterrupt is: raised from the signal handler anywhere
     in the engine, it must pass every `except Exception` that isolates a failing request."""
 
-    def __init__(self, signum: int = signal.SIGTERM):
+    def __init__(self, signum: int = signal.SIGTERM, together: bool = False):
         super().__init__(signum)
         self.signum = signum
+        self.together = together  # every tensor-parallel rank stopped at this row: they wait for rank 0's commit
 
 
 @dataclass
@@ -94,7 +95,6 @@ class _Run:
                       "dflash_batch.job": job.model_dump_json()})
         self.stop = threading.Event()
         self.running = self.committing = False  # where on_signal may stop the run at once
-        self.stopped_together = False  # every rank stopped at the same row (and waits for rank 0's commit)
         self.signum = signal.SIGTERM  # the first stop signal's (the exit code says which)
         self.tensor_parallel = parallel.world_size() > 1
         self.default_params = self._params(job.sampling)
@@ -191,15 +191,14 @@ class _Run:
         # Every rank commits the same rows in the same order; they agree on stopping here.
         stop = parallel.any_rank(self.stop.is_set()) if self.tensor_parallel else self.stop.is_set()
         if stop:
-            self.stopped_together = self.tensor_parallel
-            self._stop()
+            self._stop(together=self.tensor_parallel)
 
     def committed(self) -> int:
         return self.writer.committed_rows if self.writer is not None else 0
 
-    def _stop(self) -> None:
+    def _stop(self, together: bool = False) -> None:
         self.running = False  # first: a second signal must not cut the flush on the way out
-        raise Preempted(self.signum)
+        raise Preempted(self.signum, together)
 
     def on_signal(self, signum: int, _frame: object = None) -> None:
         """SIGTERM or SIGINT: stop. On one rank, at once: the rows finished so far are committed
@@ -398,7 +397,7 @@ def run_job(job: Job, engine_factory: EngineFactory, shard: Shard, progress: boo
                         write_shard_stats(out_dir, shard.index, complete=False, inputs=inputs,
                                           count=not isinstance(e, Preempted))
                 tally.end("stopped" if isinstance(e, Preempted) else "failed", run.committed() if run else 0)
-                if isinstance(e, Preempted) and run is not None and run.stopped_together:
+                if isinstance(e, Preempted) and e.together:
                     parallel.barrier()  # no rank exits before rank 0 committed: srun stops a step at its first exit
                 raise
             tally.end("finished", written)

@@ -86,12 +86,17 @@ def pair(tmp_path_factory) -> tuple[Path, Path]:
     return make_cli_kimi_pair(tmp_path_factory.mktemp("kimi_cli"))
 
 
+def run_tp1(job_file: Path) -> None:
+    """The reference: one process, `dflash-batch run` as a user runs it."""
+    done = subprocess.run([*CLI, "run", str(job_file), "--no-progress"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 @pytest.fixture(scope="module")
 def tp1(pair, tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("tp1")
-    done = subprocess.run([*CLI, "run", str(kimi_job(d, pair, "out")), "--no-progress"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_tp1(kimi_job(d, pair, "out"))
     return d / "out"
 
 

@@ -130,14 +130,11 @@ def test_srun_ranks_of_one_tp_group_requeued_mid_decode_write_tp1_s_rows_once(sl
     """The multi-node template on this one node: `srun` starts 2 tasks, the ranks of one TP2 group,
     which find each other from Slurm's variables alone; a requeue while they decode stops both at
     one row, and the restarted task writes the rest: every row once, equal to one process's."""
-    from tests.test_multinode import CLI, assert_rows_equal_tp1, kimi_job, make_cli_kimi_pair, stable_rows
+    from tests.test_multinode import assert_rows_equal_tp1, kimi_job, make_cli_kimi_pair, run_tp1, stable_rows
 
     env = {k: v for k, v in slurm.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")}
     pair = make_cli_kimi_pair(tmp_path / "pair")
-    reference = kimi_job(tmp_path, pair, "tp1", rows=24, rows_per_part=1)
-    done = subprocess.run([*CLI, "run", str(reference), "--no-progress"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_tp1(kimi_job(tmp_path, pair, "tp1", rows=24, rows_per_part=1))
     job_file = kimi_job(tmp_path, pair, "out", rows=24, tp=2, rows_per_part=1)
     (tmp_path / "logs").mkdir()
     submit = ["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1",
