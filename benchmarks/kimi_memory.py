@@ -1,101 +1,73 @@
-"""Memory plan for the production pair (Kimi-K3 + kimi-k3-dflash2) at TP8 on 288 GB GPUs.
+"""Kimi-K3 + kimi-k3-dflash2 on the GPUs its users have: the memory plan of each production job
+(dflash-batch plan: the engine's own allocation on the meta device), then what one round moves
+between the ranks of a tensor-parallel group against the time its weights take to read.
 
-Shapes are those of the reference checkpoint configs (shared/reference). Prints the cache bytes
-per token and per sequence, weights per rank, and the largest max_num_seqs per length bucket, as
-the engine allocates them (the drafter's sliding layers in rings of their window and a block,
-its full layer per token) and with the sliding layers kept whole.
+Communication, per round of `rows` sequences (block 8: rows * 8 verify tokens, the same drafter
+tokens), per rank, in bf16: the target's all-reduces (each layer's attention output; each MoE
+layer's routed sum at the latent width and its shared experts' output; the dense layer's MLP) and
+the drafter's (attention and MLP of each of its 5 layers). An all-reduce of M bytes costs each GPU
+2 (g-1)/g M over NVLink among the g GPUs of a node and, across N nodes, 2 (N-1)/N M/g over its own
+InfiniBand NIC (NCCL's hierarchical rings: one rail a GPU). Expert parallelism instead (experts
+split across the ranks, attention data-parallel) sends each token's latent row to the ranks of its
+top-k experts and back: 2 * min(top_k, ranks) * latent bytes a token a MoE layer, from the rank
+holding the token only.
 
-usage: python benchmarks/kimi_memory.py [--gpu-gb 288] [--reserve-gb 16] [--tp 8]
+usage: python benchmarks/kimi_memory.py
 """
 
 from __future__ import annotations
 
-import argparse
+from pathlib import Path
 
-from dflash_batch.plan.memory import planned_expert_bytes
+from dflash_batch.job import gpu_bytes, load_job
+from dflash_batch.sizing import GB, plan_job
 
-H, LAYERS, VOCAB = 7168, 93, 163840
-MLA, KDA = 24, 69
-KDA_HEADS, KDA_D, CONV = 96, 128, 4
-Q_LORA, KV_LORA, ROPE, NOPE, V = 1536, 512, 64, 128, 128
-MLA_HEADS = 96
-EXPERTS, TOPK, MOE_I, LATENT, SHARED_I, DENSE_I = 896, 16, 3072, 3584, 6144, 33792
-DRAFT_LAYERS, DRAFT_HEADS, DRAFT_I, BLOCK, TAPS, SEL_R, SEL_K = 5, 64, 14336, 8, 5, 256, 16
-DRAFT_SLIDING, DRAFT_WINDOW, PAGE = 4, 4096, 16  # 4 sliding layers (window 4096) + 1 full
-BF16, F32 = 2, 4
-GB = 1e9
-EXPERT_CONFIG = dict(num_hidden_layers=LAYERS, first_k_dense_replace=1, moe_layer_freq=1, num_experts=EXPERTS,
-                     moe_intermediate_size=MOE_I, routed_expert_hidden_size=LATENT)
+JOBS = Path(__file__).resolve().parent.parent / "jobs"
+H, LATENT, LAYERS, MOE_LAYERS, TOP_K, BLOCK, DRAFT_LAYERS, BF16 = 7168, 3584, 93, 92, 16, 8, 5, 2
+# Per GPU, one direction, GB/s: NVLink 4 (H200) and 5 (GB300); a 400 Gb/s NIC; HBM3e.
+NVLINK = {"h200": 450, "gb300": 900}
+IB, HBM = 50, {"h200": 4800, "gb300": 8000}
+LATENCY_US = {"nvlink": 8, "ib": 25}  # an all-reduce's fixed cost inside a node / across nodes (assumed)
 
 
-def weights_per_rank(tp: int) -> dict[str, float]:
-    """Bytes per rank: replicated tensors whole, sharded ones / tp, experts packed in MXFP4 (4.25 bits)."""
-    mla_sharded = MLA_HEADS * (NOPE + ROPE) * Q_LORA + MLA_HEADS * (NOPE + V) * KV_LORA + 2 * MLA_HEADS * V * H
-    mla_repl = (Q_LORA + KV_LORA + ROPE) * H
-    kda_sharded = 4 * KDA_HEADS * KDA_D * H + KDA_HEADS * KDA_D * KDA_D + KDA_HEADS * H + KDA_HEADS * KDA_D * H
-    kda_repl = KDA_D * H
-    moe_repl = EXPERTS * H + 2 * LATENT * H          # router, latent down/up
-    shared = 3 * SHARED_I * H
-    sharded = (MLA * mla_sharded + KDA * kda_sharded + (LAYERS - 1) * shared + 3 * DENSE_I * H
-               + 2 * VOCAB * H) * BF16 / tp
-    replicated = (MLA * mla_repl + KDA * kda_repl + (LAYERS - 1) * moe_repl) * BF16
-    experts = planned_expert_bytes(EXPERT_CONFIG, tp)  # the loader keeps them packed (tests/test_memory_plan.py)
-    draft_attn = DRAFT_HEADS * (NOPE + ROPE) * Q_LORA + DRAFT_HEADS * (NOPE + V) * KV_LORA + DRAFT_HEADS * V * H
-    draft_sharded = DRAFT_LAYERS * (draft_attn + 3 * DRAFT_I * H) * BF16 / tp
-    draft_repl = (TAPS * H * H + DRAFT_LAYERS * ((Q_LORA + KV_LORA + ROPE) * H + 4 * 2 * 2 * (H // 16) * H)
-                  + 2 * VOCAB * SEL_R + SEL_R * H) * BF16
-    return {"target sharded (bf16)": sharded, "target replicated (bf16)": replicated,
-            "routed experts (mxfp4)": experts, "drafter": draft_sharded + draft_repl}
+def tp_bytes_per_token() -> tuple[int, int]:
+    """(bytes all-reduced a token of a round, all-reduces a round)."""
+    target = LAYERS * H + MOE_LAYERS * (LATENT + H) + H  # attention outputs; routed + shared; layer 0's MLP
+    drafter = DRAFT_LAYERS * 2 * H
+    return (target + drafter) * BF16, LAYERS + 2 * MOE_LAYERS + 1 + 2 * DRAFT_LAYERS
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--gpu-gb", type=float, default=288)
-    ap.add_argument("--reserve-gb", type=float, default=16, help="activations, workspaces, graphs")
-    ap.add_argument("--tp", type=int, default=8)
-    args = ap.parse_args()
-    tp = args.tp
-    mla_token = MLA * (KV_LORA + ROPE) * BF16               # replicated on every rank
-    draft_layer_token = (KV_LORA + ROPE) * BF16
-    draft_token = (DRAFT_LAYERS - DRAFT_SLIDING) * draft_layer_token  # the full layer
-    ring_slots = -(-(DRAFT_WINDOW + BLOCK - 1) // PAGE) * PAGE  # engine/engine.py: drafter.ring_pages
-    rings = DRAFT_SLIDING * ring_slots * draft_layer_token
-    heads = KDA_HEADS // tp
-    kda_state = KDA * (heads * KDA_D * KDA_D * F32 + 3 * heads * KDA_D * (CONV - 1) * BF16)
-    staged = BLOCK * KDA * heads * KDA_D * KDA_D * F32      # a state per verify row (before replay)
-    replay = BLOCK * KDA * (3 * heads * KDA_D * BF16 + (heads * KDA_D + heads) * F32)  # raw qkv; gate, beta
-    print(f"per token, per rank: MLA latent {mla_token:,} B, drafter latent {draft_token:,} B (its full layer)")
-    print(f"per sequence, per rank: KDA state {kda_state / 1e6:.1f} MB; drafter rings {rings / 1e6:.1f} MB "
-          f"({DRAFT_SLIDING} sliding layers x {ring_slots} slots); verify staging {replay / 1e6:.1f} MB replay "
-          f"inputs (per-row states, before replay: {staged / 1e6:.0f} MB)")
-    w = weights_per_rank(tp)
-    for k, v in w.items():
-        print(f"weights per rank, {k}: {v / GB:.1f} GB")
-    free = args.gpu_gb * GB - sum(w.values()) - args.reserve_gb * GB
-    print(f"weights total {sum(w.values()) / GB:.1f} GB; left for caches on a {args.gpu_gb:.0f} GB GPU: "
-          f"{free / GB:.1f} GB (after {args.reserve_gb:.0f} GB reserve)")
-    print(f"{'bucket':>7} {'GB/seq':>8} {'max_num_seqs':>13} {'GB/seq (sliding layers whole)':>30} "
-          f"{'max_num_seqs':>13}")
-    fits = {}
-    for ctx in (8192, 32768, 65536, 131072):
-        ringed = ctx * (mla_token + draft_token) + rings + kda_state + replay
-        whole = ctx * (mla_token + DRAFT_LAYERS * draft_layer_token) + kda_state + replay
-        print(f"{ctx // 1024:>6}k {ringed / GB:>8.2f} {int(free // ringed):>13} {whole / GB:>30.2f} "
-              f"{int(free // whole):>13}")
-        fits[ctx] = int(free // ringed)
-    logits_per_round(fits[8192], tp)
-
-
-def logits_per_round(seqs: int, tp: int) -> None:
-    """A greedy round's logits per rank: gathered whole rows (bf16 gathered, widened to fp32) against
-    each rank's vocabulary slice and the few values a row it sends (parallel.sharded_top1 / _topk)."""
-    verify, draft = seqs * BLOCK, seqs * (BLOCK - 1)
-    whole = (verify + draft) * VOCAB * (BF16 + F32)
-    sent_whole = (verify + draft) * VOCAB * BF16 * (tp - 1) / tp
-    sent_split = (verify * 3 + draft * 2 * SEL_K) * F32 * (tp - 1)
-    print(f"logits of a greedy round at {seqs} sequences, per rank: whole rows {whole / GB:.2f} GB "
-          f"(all-gather receives {sent_whole / GB:.2f} GB); vocabulary slices {whole / tp / GB:.2f} GB "
-          f"(receives {sent_split / 1e6:.1f} MB: argmax and selector top-{SEL_K} per row)")
+    jobs = [("kimi-k3-dflash2.yaml", "gb300", 8), ("kimi-k3-dflash2-h200.yaml", "h200", 8),
+            ("kimi-k3-dflash2-h100.yaml", "h100", 8)]
+    print("memory plan per rank (dflash-batch plan JOB --gpu-memory GPU), GB:")
+    print(f"{'job':<28} {'gpu':>6} {'tp':>4} {'nodes':>5} {'weights':>8} {'bucket':>13} {'seqs':>5} {'total':>7}")
+    for name, gpu, per_node in jobs:
+        plan = plan_job(load_job(JOBS / name), JOBS, gpu_bytes(gpu))
+        for need in plan.buckets:
+            print(f"{name:<28} {gpu:>6} {plan.tp:>4} {-(-plan.tp // per_node):>5} "
+                  f"{sum(plan.weights.values()) / GB:>8.1f} {need.bucket.name:>13} {need.bucket.max_num_seqs:>5} "
+                  f"{(plan.base + need.total) / GB:>7.1f}")
+    per_token, calls = tp_bytes_per_token()
+    print(f"\ntensor parallelism: {per_token / 1e6:.2f} MB all-reduced a token of a round, {calls} all-reduces a round")
+    print(f"{'setup':<22} {'rows':>5} {'MB/rank':>8} {'NVLink ms':>9} {'IB ms':>6} {'latency ms':>10} "
+          f"{'HBM floor ms':>12} {'EP MB/rank':>10} {'EP IB ms':>8}")
+    for label, gpu, tp, nodes, name in (("TP8, 1 GB300 node", "gb300", 8, 1, "kimi-k3-dflash2.yaml"),
+                                        ("TP16, 2 H200 nodes", "h200", 16, 2, "kimi-k3-dflash2-h200.yaml")):
+        plan = plan_job(load_job(JOBS / name), JOBS, gpu_bytes(gpu))
+        weights = sum(plan.weights.values())
+        g = tp // nodes
+        for rows in (1, 16, plan.buckets[0].bucket.max_num_seqs):
+            m = rows * BLOCK * per_token
+            nvlink = 2 * (g - 1) / g * m / (NVLINK[gpu] * 1e9) * 1e3
+            ib = 2 * (nodes - 1) / nodes * m / g / (IB * 1e9) * 1e3 if nodes > 1 else 0.0
+            latency = calls * (LATENCY_US["ib" if nodes > 1 else "nvlink"]) / 1e3
+            # A round reads every weight the rank holds (at 16 experts a token, past a few rows nearly all).
+            floor = weights / (HBM[gpu] * 1e9) * 1e3
+            ep = rows * BLOCK / tp * MOE_LAYERS * 2 * min(TOP_K, tp) * LATENT * BF16  # this rank's tokens only
+            ep_ib = ep * (nodes - 1) / nodes / (IB * 1e9) * 1e3 if nodes > 1 else 0.0
+            print(f"{label:<22} {rows:>5} {m * 2 * (g - 1) / g / 1e6:>8.1f} {nvlink:>9.2f} {ib:>6.2f} "
+                  f"{latency:>10.2f} {floor:>12.2f} {ep / 1e6:>10.1f} {ep_ib:>8.2f}")
 
 
 if __name__ == "__main__":

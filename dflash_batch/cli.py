@@ -191,6 +191,10 @@ def _run(job_file: str, shard_text: str | None, output_dir: str | None, no_progr
             engine = job.engine.model_copy(update={"cuda_graphs": False, "compile": False})
             job = job.model_copy(update={"engine": engine})
         shard = resolve_shard(job.sharding, os.environ, parse_shard(shard_text) if shard_text else None)
+        if job.engine.gpu_memory is not None:  # before any model is loaded
+            from dflash_batch.sizing import check_fits
+
+            check_fits(job, Path(job_file).parent)
         if dry_run:
             _dry_run(job, shard)
             return
@@ -274,6 +278,7 @@ def validate(job_file: str, no_inputs: bool) -> None:
     from dflash_batch.build import resolve_engine
     from dflash_batch.io.inputs import duplicate_ids
     from dflash_batch.runner import check_job, open_tokenizer
+    from dflash_batch.sizing import check_fits
 
     try:
         job = load_job(job_file)
@@ -288,9 +293,51 @@ def validate(job_file: str, no_inputs: bool) -> None:
                                "input.id_column to key rows by file and index")
             open_tokenizer(job)
             click.echo(resolve_engine(job).describe())
+        check_fits(job, Path(job_file).parent)  # config.json alone (or the shipped one): even with --no-inputs
     except JobError as e:
         _fail(e)
     click.echo(f"{job_file}: ok")
+
+
+@main.command("plan")
+@click.argument("job_file", type=click.Path(dir_okay=False, exists=True))
+@click.option("--gpu-memory", help="The GPU: h100, h200, b200, gb300 or its memory in GB (default: the "
+              "job's engine.gpu_memory).")
+@click.option("--gpus-per-node", type=int, default=8, show_default=True)
+@click.option("--tensor-parallel", type=int, help="Plan at this many ranks (default: the job's).")
+@click.option("--reserve-gb", type=float, help="Memory no tensor shows (default: 6% of the GPU, at least 8 GB).")
+def plan_command(job_file: str, gpu_memory: str | None, gpus_per_node: int, tensor_parallel: int | None,
+                 reserve_gb: float | None) -> None:
+    """Memory per rank of JOB_FILE on a GPU, from its checkpoints' config.json alone (models built
+    on the meta device): weights, each bucket's caches and activations, the largest max_num_seqs
+    that fits, the smallest tensor-parallel size that fits. Exits 1 when the job does not fit."""
+    from dflash_batch.job import gpu_bytes
+    from dflash_batch.sizing import plan_job, smallest_tp
+
+    try:
+        job = load_job(job_file)
+        memory = gpu_memory or job.engine.gpu_memory
+        if memory is None:
+            raise JobError("give --gpu-memory (or set engine.gpu_memory in the job)")
+        try:
+            gpu = gpu_bytes(memory)
+        except ValueError as e:
+            raise JobError(f"--gpu-memory: {e}") from None
+        reserve = None if reserve_gb is None else int(reserve_gb * 10**9)
+        job_dir = Path(job_file).parent
+        plan = plan_job(job, job_dir, gpu, tensor_parallel, reserve)
+        click.echo(plan.table())
+        nodes = -(-plan.tp // gpus_per_node)
+        click.echo(f"TP{plan.tp}: {nodes} node(s) of {gpus_per_node} GPUs a tensor-parallel group")
+        least = smallest_tp(job, job_dir, gpu, reserve)
+        click.echo(f"smallest tensor_parallel_size that fits one sequence a bucket: {least or 'none up to 64'}")
+    except JobError as e:
+        _fail(e)
+    if not plan.fits:
+        click.echo(f"{job_file}: does not fit at TP{plan.tp} on a GPU of {gpu / 10**9:.0f} GB (see 'NO' above)",
+                   err=True)
+        sys.exit(1)
+    click.echo(f"{job_file}: fits")
 
 
 @main.command()

@@ -9,13 +9,32 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
 
+_planned: int | None = None  # a world size models are built for without a group (sizing.py)
+
+
 def world_size() -> int:
+    if _planned is not None:
+        return _planned
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+@contextmanager
+def planned(size: int) -> Iterator[None]:
+    """Build models as rank 0 of `size` ranks would hold them, without a process group: for
+    sizing a job on the meta device (collectives must not run inside)."""
+    global _planned
+    previous, _planned = _planned, size
+    try:
+        yield
+    finally:
+        _planned = previous
 
 
 def rank() -> int:

@@ -1,6 +1,6 @@
 """Kimi-K3's routed experts stay packed as MXFP4 in memory: a loaded tiny Kimi-K3 holds exactly the
-bytes the memory plan counts (plan/memory.py, which benchmarks/kimi_memory.py applies to the
-production config), on one rank and on each of two; its outputs equal those of the same model
+bytes the spec's count gives (plan/memory.py; the memory plan, sizing.py, reads the same parameters),
+on one rank and on each of two; its outputs equal those of the same model
 with the experts stored dequantized; each rank's packed slice is the dequantized weight's slice."""
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import yaml
 
+from dflash_batch.io.progress import read_progress
 from dflash_batch.plan.shards import Shard
 from dflash_batch.runner import run_job
 from tests.fake_engine import fake_factory
@@ -100,7 +101,10 @@ def test_sigterm_commits_what_finished_at_once_even_under_contention(tmp_path, m
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
     try:
         proc = _start(job_file, delay=3.0)
-        time.sleep(14)  # start-up, then a few rows finished (held in the writer's buffer)
+        deadline = time.monotonic() + 120  # start-up is slow with every CPU busy (and in a loaded suite)
+        while (read_progress(tmp_path / "now", 0) or {}).get("state") != "running" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(7)  # rows begun: a few finish (held in the writer's buffer)
         assert not read_out(tmp_path / "now") and proc.poll() is None
         sent = time.monotonic()
         proc.send_signal(signal.SIGTERM)

@@ -88,12 +88,8 @@ class DecodeBatch:
         stops = list(p.stop_token_ids)
         if len(stops) > self.stop_ids.shape[1]:
             self._grow_stops(len(stops))
-        for wanted, have, allocate in ((p.logit_bias, self.bias, self._allocate_bias),
-                                       (p.penalized, self.counts, self._allocate_counts),
-                                       (p.logprobs is not None, self.token_logprob, self._allocate_logprobs)):
-            if wanted and have is None:
-                allocate()
-                self.reshaped = True
+        if self.allocate_for(bool(p.logit_bias), p.penalized, p.logprobs is not None):
+            self.reshaped = True
         if seq.matcher is not None and self.grammar_bits is None:
             width = -(-self.vocab_size // 32)
             self.grammar_bits = torch.full((self.rows * self.block, width), -1, dtype=torch.int32)
@@ -122,6 +118,17 @@ class DecodeBatch:
             self.counts[row] = torch.bincount(self._ids(seq.tokens), minlength=self.vocab_size)
             self.in_prompt[row] = False
             self.in_prompt[row, self._ids(seq.prompt)] = True
+
+    def allocate_for(self, logit_bias: bool, penalties: bool, logprobs: bool) -> bool:
+        """Allocate what rows with these settings read, where not yet there; whether any was new."""
+        new = False
+        for wanted, have, allocate in ((logit_bias, self.bias, self._allocate_bias),
+                                       (penalties, self.counts, self._allocate_counts),
+                                       (logprobs, self.token_logprob, self._allocate_logprobs)):
+            if wanted and have is None:
+                allocate()
+                new = True
+        return new
 
     def clear(self, row: int) -> None:
         """Make a row padding."""

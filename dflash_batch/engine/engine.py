@@ -160,10 +160,8 @@ class Engine:
 
     # -- public --------------------------------------------------------------------------------
     def generate(self, requests: Iterable[Request], bucket: Bucket) -> Iterator[Completion]:
-        block = self._block_size(bucket)
+        block, pages_per_row, models = self._shape(bucket)
         seqs = bucket.max_num_seqs
-        pages_per_row = -(-(bucket.max_tokens + block) // self.page_size)
-        models = [m for m in (self.target, self.drafter if block > 1 else None) if m is not None]
         shape = (seqs, pages_per_row, block)
         kept = self.bucket_state
         # Reused while the shape holds and the models still hold these caches (another engine
@@ -252,6 +250,18 @@ class Engine:
         return []
 
     # -- steps ---------------------------------------------------------------------------------
+    def allocate(self, bucket: Bucket) -> DecodeBatch:
+        """A bucket's caches, state and decoding state, as generate allocates them (on the meta
+        device: what they would take, sizing.py)."""
+        block, pages_per_row, models = self._shape(bucket)
+        return self._allocate(bucket, block, pages_per_row, models)[0]
+
+    def _shape(self, bucket: Bucket) -> tuple[int, int, list[torch.nn.Module]]:
+        """(block size, pages a row, the models whose caches it reads) of a bucket."""
+        block = self._block_size(bucket)
+        models = [m for m in (self.target, self.drafter if block > 1 else None) if m is not None]
+        return block, -(-(bucket.max_tokens + block) // self.page_size), models
+
     def _allocate(self, bucket: Bucket, block: int, pages_per_row: int,
                   models: list[torch.nn.Module]) -> tuple[DecodeBatch, Round, RoundGraphs | None]:
         """Caches, recurrent state, the decoding state and its graphs for buckets of this shape

@@ -229,7 +229,7 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
 
 
 @contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -244,7 +244,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: tor
     # Build parameters directly in their final dtype and device, so a large model never exists
     # as a full fp32 copy. No blanket .to(dtype) afterwards: it would also round float32
     # buffers such as RoPE's inv_freq down to bf16.
-    with torch.device(device), _default_dtype(dtype):
+    with torch.device(device), default_dtype(dtype):
         model = model_class(config)(config)
     load_weights(model, path)
     return model.eval()

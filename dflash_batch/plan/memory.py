@@ -1,9 +1,9 @@
-"""What a rank holds of a model's weights: measured on a loaded model, and planned from a config.
+"""What a rank holds of a model's weights: measured on a loaded model, and counted from a config.
 
-The memory plan (benchmarks/kimi_memory.py, the production job files' max_num_seqs) counts the
-routed experts at their stored MXFP4 size; `resident_bytes` reads what a loaded model really
-holds, and tests/test_memory_plan.py checks that the two agree on a tiny Kimi-K3, so the plan
-cannot drift from what the loader keeps.
+`planned_expert_bytes` counts Kimi-K3's routed experts at their stored MXFP4 size from the spec's
+formula alone; tests/test_memory_plan.py checks that a loaded tiny Kimi-K3 holds exactly that
+(`resident_bytes`), so the loader cannot quietly widen the experts that the memory plan
+(sizing.py, which reads the models' own parameters) counts as packed.
 """
 
 from __future__ import annotations

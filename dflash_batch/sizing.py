@@ -1,0 +1,252 @@
+"""What a job needs of each GPU: the memory plan, computed by the engine's own code on the meta device.
+
+The target and drafter are built from their config.json alone, as rank 0 of the job's tensor-
+parallel group holds them (parallel.planned), on the meta device: no weight is read and no byte
+allocated. Their parameters are the weights a rank keeps (MXFP4 experts packed, the rest in the
+job's dtype); each bucket's caches, recurrent state, drafter rings, verify staging and decoding
+state are what Engine.allocate makes of them, the same calls a run makes. Activations are the
+bound of models/activations.py for a prefill chunk and for the round at the bucket's largest
+capture size; with CUDA graphs every captured round shares one pool, the largest round's.
+The reserve stands for what no tensor shows: the CUDA context, NCCL's buffers, the caching
+allocator's fragmentation. tests/test_sizing.py checks weights and caches to the byte against
+the CPU allocator on the tiny models, and the activations' bound against its peak.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dflash_batch import parallel
+from dflash_batch.build import DTYPES, EngineSetup, resolve_engine
+from dflash_batch.engine.engine import Engine, runtime_tensors
+from dflash_batch.engine.pair import attach_drafter
+from dflash_batch.job import Job, JobError, gpu_bytes
+from dflash_batch.models import activations
+from dflash_batch.models.loader import default_dtype, load_config
+from dflash_batch.models.registry import model_class
+from dflash_batch.plan.buckets import Bucket, plan_buckets
+from kernels import _triton
+
+GB = 10**9
+TP_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+FLASHINFER_WORKSPACE = 256 << 20  # backends/flashinfer_attention.py's default
+
+
+def default_reserve(gpu: int) -> int:
+    """Memory no tensor accounts for: 6% of the GPU, at least 8 GB."""
+    return max(8 * GB, int(0.06 * gpu))
+
+
+def config_dir(path: str, job_dir: Path) -> tuple[str, str | None]:
+    """The checkpoint directory whose config.json sizes `path`: the checkpoint itself, or where it
+    is not on this host, the config the repository ships beside the job files (jobs/models/ORG/NAME)
+    with a line saying so."""
+    if (Path(path) / "config.json").exists():
+        return path, None
+    shipped = job_dir / "models" / Path(path).parent.name / Path(path).name
+    if (shipped / "config.json").exists():
+        return str(shipped), f"{path} is not on this host: sized from {shipped}/config.json"
+    raise JobError(f"{path} has no config.json here, and {shipped} holds none either")
+
+
+@dataclass(frozen=True)
+class BucketNeed:
+    bucket: Bucket
+    caches: int         # the models' caches, recurrent state, rings and staging
+    batch: int          # the decoding state's tensors
+    prefill: int        # a prefill chunk's activations
+    round: int          # the round's activations at the bucket's largest padded size
+    graphs: bool        # the round's memory is a CUDA-graph pool held for the bucket
+
+    @property
+    def total(self) -> int:
+        held = self.prefill + self.round if self.graphs else max(self.prefill, self.round)
+        return self.caches + self.batch + held
+
+
+@dataclass(frozen=True)
+class Plan:
+    tp: int
+    gpu: int
+    weights: dict[str, int]      # by what the rank holds: "target bf16", "target uint8 (MXFP4)", ...
+    fixed: dict[str, int]        # workspace, reserve
+    buckets: list[BucketNeed]
+    largest: list[int]           # the largest max_num_seqs that fits, per bucket (0: not even one)
+    notes: list[str]
+
+    @property
+    def base(self) -> int:
+        return sum(self.weights.values()) + sum(self.fixed.values())
+
+    @property
+    def fits(self) -> bool:
+        return all(self.base + b.total <= self.gpu for b in self.buckets)
+
+    def table(self) -> str:
+        lines = [*self.notes, f"per rank, TP{self.tp}, on a GPU of {self.gpu / GB:.0f} GB:"]
+        lines += [f"  {name:<40} {size / GB:>8.2f} GB" for name, size in {**self.weights, **self.fixed}.items()]
+        lines.append(f"  {'weights and fixed':<40} {self.base / GB:>8.2f} GB")
+        if self.base > self.gpu:
+            lines.append(f"  weights and fixed alone exceed the GPU's {self.gpu / GB:.0f} GB: not one sequence fits")
+        head = (f"  {'bucket':<14} {'seqs':>5} {'caches':>8} {'batch':>7} {'prefill':>8} {'round':>8} "
+                f"{'total':>8} {'fits':>5} {'largest seqs':>12}")
+        lines.append(head + "   (GB; round: a CUDA-graph pool where graphs are on)")
+        for need, largest in zip(self.buckets, self.largest):
+            b = need.bucket
+            lines.append(f"  {b.name:<14} {b.max_num_seqs:>5} {need.caches / GB:>8.2f} {need.batch / GB:>7.3f} "
+                         f"{need.prefill / GB:>8.2f} {need.round / GB:>8.2f} {(self.base + need.total) / GB:>8.2f} "
+                         f"{'yes' if self.base + need.total <= self.gpu else 'NO':>5} {largest:>12}")
+        return "\n".join(lines)
+
+
+class _Sizer:
+    """The job's models on the meta device at one tensor-parallel size, and an engine over them."""
+
+    def __init__(self, job: Job, job_dir: Path, tp: int, setup: EngineSetup | None):
+        self.job, self.tp = job, tp
+        self.notes: list[str] = []
+        paths = {}
+        for role in ("target", "drafter"):
+            path = getattr(job.model, role)
+            if path:
+                paths[role], note = config_dir(path, job_dir)
+                self.notes += [note] if note else []
+        # What a GPU host with flashinfer runs: its backend, graphs and capture sizes.
+        sized = job.model_copy(update={"model": job.model.model_copy(update=paths)})
+        self.setup = setup or resolve_engine(sized, cuda=True, flashinfer=True)
+        dtype = DTYPES[job.model.dtype]
+        self.dtype_bytes = torch.empty(0, dtype=dtype).element_size()
+        with parallel.planned(tp), torch.device("meta"), default_dtype(dtype):
+            self.target = _build(paths["target"])
+            self.drafter = _build(paths["drafter"]) if "drafter" in paths else None
+        if self.drafter is not None:
+            attach_drafter(self.target, self.drafter)
+        self.engine = Engine(self.target, self.drafter, page_size=job.engine.page_size,
+                             max_num_batched_tokens=job.engine.max_num_batched_tokens, dtype=dtype, device="meta",
+                             attention=_Planned(self.setup.backend), capture_sizes=self.setup.capture_sizes)
+        with parallel.planned(tp):
+            torch_kernels = self.setup.device != "cuda" or not _triton.available()
+            self.widths = {m: activations.widths(m, self.dtype_bytes, torch_kernels)
+                           for m in (self.target, self.drafter) if m}
+
+    def weights(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for role, model in (("target", self.target), ("drafter", self.drafter)):
+            for t in [*model.parameters(), *model.buffers()] if model else []:
+                kind = "uint8 (MXFP4 packed)" if t.dtype == torch.uint8 else str(t.dtype).removeprefix("torch.")
+                out[f"{role} weights {kind}"] = out.get(f"{role} weights {kind}", 0) + t.nbytes
+        return out
+
+    def need(self, bucket: Bucket) -> BucketNeed:
+        s = self.job.sampling
+        with parallel.planned(self.tp):
+            batch = self.engine.allocate(bucket)
+            batch.allocate_for(bool(s.logit_bias), s.repetition_penalty != 1 or bool(s.frequency_penalty)
+                               or bool(s.presence_penalty), s.logprobs is not None)
+            block = batch.block
+            models = [self.target] + ([self.drafter] if block > 1 else [])
+            caches = sum(t.nbytes for t in runtime_tensors(models))
+            state = sum(t.nbytes for t in vars(batch).values() if isinstance(t, torch.Tensor))
+            return BucketNeed(bucket, caches, state, self._prefill(bucket, block),
+                              self._round(batch.rows, block, bucket.max_tokens + block), self.setup.cuda_graphs)
+
+    def _prefill(self, bucket: Bucket, block: int) -> int:
+        tokens = min(self.job.engine.max_num_batched_tokens, bucket.max_num_seqs * bucket.max_tokens)
+        scored = tokens if self.job.sampling.prompt_logprobs is not None else min(tokens, bucket.max_num_seqs)
+        torch_attention = self.setup.backend == "torch"
+        widths = self.widths[self.target]
+        need = widths.chunk + activations.forward_bytes(widths, tokens, scored, True, bucket.max_num_seqs,
+                                                        bucket.max_tokens, torch_attention)
+        if block > 1:  # the drafter writes the chunk's context from its taps
+            need += tokens * self.widths[self.drafter].layer
+        return need
+
+    def _round(self, rows: int, block: int, keys: int) -> int:
+        tokens, sampled = rows * block, self.job.sampling.temperature > 0
+        torch_attention = self.setup.backend == "torch"
+        verify = activations.forward_bytes(self.widths[self.target], tokens, tokens, sampled, rows, keys,
+                                           torch_attention)
+        if sampled:
+            verify += activations.sampling_bytes(self.widths[self.target], tokens)
+        if block == 1:
+            return verify
+        draft = activations.forward_bytes(self.widths[self.drafter], tokens, rows * (block - 1), False, rows,
+                                          keys, torch_attention)
+        return max(verify, draft)
+
+
+class _Planned:
+    """The attention backend's answer to what the engine asks while allocating (rings or whole
+    caches), without its kernels."""
+
+    def __init__(self, backend: str):
+        self.name = backend
+
+    def reads_rings(self, latent: bool) -> bool:
+        return latent or self.name == "torch"
+
+
+def _build(path: str):
+    config = load_config(path)
+    return model_class(config)(config)
+
+
+def plan_job(job: Job, job_dir: Path, gpu: int, tp: int | None = None, reserve: int | None = None,
+             setup: EngineSetup | None = None) -> Plan:
+    """The job's memory per rank at `tp` ranks (default: the job's), and the largest max_num_seqs
+    per bucket that fits a GPU of `gpu` bytes. `setup`: the engine settings to size (default: what
+    a GPU host with flashinfer runs)."""
+    tp = tp or job.model.tensor_parallel_size
+    sizer = _Sizer(job, job_dir, tp, setup)
+    fixed = {"attention workspace": FLASHINFER_WORKSPACE if sizer.setup.backend == "flashinfer" else 0,
+             "reserve (context, NCCL, fragmentation)": default_reserve(gpu) if reserve is None else reserve}
+    weights = sizer.weights()
+    base = sum(weights.values()) + sum(fixed.values())
+    buckets = plan_buckets(job)
+    needs = [sizer.need(b) for b in buckets]
+    largest = [_largest(lambda s, b=b: base + sizer.need(dataclasses.replace(b, max_num_seqs=s)).total <= gpu)
+               for b in buckets]
+    return Plan(tp, gpu, weights, fixed, needs, largest, sizer.notes)
+
+
+def _largest(fits, limit: int = 1 << 14) -> int:
+    """The largest s in 1..limit with fits(s) (fits is monotone), 0 if none."""
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while high <= limit and fits(high):
+        low, high = high, high * 2
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
+def smallest_tp(job: Job, job_dir: Path, gpu: int, reserve: int | None = None) -> int | None:
+    """The fewest ranks at which one sequence of every bucket fits (None: not up to 64)."""
+    for tp in TP_SIZES:
+        try:
+            plan = plan_job(job, job_dir, gpu, tp, reserve)
+        except ValueError:  # a width that does not split over tp ranks
+            continue
+        if all(plan.largest):
+            return tp
+    return None
+
+
+def check_fits(job: Job, job_dir: Path) -> None:
+    """Refuse a job whose buckets do not fit engine.gpu_memory (when set), with the plan's numbers."""
+    if job.engine.gpu_memory is None:
+        return
+    gpu = gpu_bytes(job.engine.gpu_memory)
+    plan = plan_job(job, job_dir, gpu)
+    if not plan.fits:
+        tp = smallest_tp(job, job_dir, gpu)
+        least = f"the smallest tensor_parallel_size that fits is {tp}" if tp else "no tensor_parallel_size up to 64 fits"
+        raise JobError(f"engine.gpu_memory {job.engine.gpu_memory}: the job does not fit "
+                       f"(lower the buckets' max_num_seqs to 'largest seqs', or use more ranks: {least}):\n"
+                       + plan.table())
