@@ -26,7 +26,7 @@ from dflash_batch.engine.request import Request, SamplingParams  # noqa: E402
 from dflash_batch.engine.pair import attach_drafter  # noqa: E402
 from dflash_batch.models.loader import load_model  # noqa: E402
 from dflash_batch.plan.buckets import Bucket  # noqa: E402
-from dflash_batch.plan.tokenize import Tokenizer, stop_token_ids  # noqa: E402
+from dflash_batch.tokenizer import Tokenizer, stop_token_ids  # noqa: E402
 
 
 def main() -> None:

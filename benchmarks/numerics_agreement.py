@@ -28,7 +28,7 @@ from dflash_batch.engine.pair import attach_drafter  # noqa: E402
 from dflash_batch.engine.request import Request, SamplingParams  # noqa: E402
 from dflash_batch.models.loader import load_model  # noqa: E402
 from dflash_batch.plan.buckets import Bucket  # noqa: E402
-from dflash_batch.plan.tokenize import Tokenizer, stop_token_ids  # noqa: E402
+from dflash_batch.tokenizer import Tokenizer, stop_token_ids  # noqa: E402
 
 # (label, dtype, max_num_seqs, speculative, temperature); the first of each temperature is the reference
 CASES = [

@@ -32,7 +32,7 @@ from dflash_batch.engine.request import Engine
 from dflash_batch.io.ledger import part_files
 from dflash_batch.job import Job, JobError, parse_job, read_job_file
 from dflash_batch.plan.shards import Shard
-from dflash_batch.plan.tokenize import Tokenizer
+from dflash_batch.tokenizer import Tokenizer
 from dflash_batch.runner import EngineFactory, Preempted, run_job
 
 _DONE = object()

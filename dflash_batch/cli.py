@@ -496,7 +496,7 @@ def make_needle(texts: tuple[str, ...], tokenizer_dir: str, lengths: str, count:
     messages_column: messages and passthrough_columns: [needle_answer, needle_length]; `report`
     then puts retrieval beside acceptance."""
     from dflash_batch.needle import make_needles
-    from dflash_batch.plan.tokenize import Tokenizer
+    from dflash_batch.tokenizer import Tokenizer
 
     try:
         sizes = [int(x) for x in lengths.split(",")]

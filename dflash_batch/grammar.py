@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dflash_batch.job import GRAMMAR_FIELDS, Job, JobError, SamplingSpec
-from dflash_batch.plan.tokenize import Tokenizer
+from dflash_batch.tokenizer import Tokenizer
 
 
 def wants_grammar(s: SamplingSpec) -> bool:

@@ -14,7 +14,7 @@ import random
 import string
 from collections.abc import Iterator
 
-from dflash_batch.plan.tokenize import Tokenizer
+from dflash_batch.tokenizer import Tokenizer
 
 NEEDLE = "One of the special magic numbers for {key} is: {value}."
 QUESTION = ("What is the special magic number for {key} mentioned in the provided text? "

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dflash_batch.job import JobError
-from dflash_batch.plan.tokenize import Tokenizer
+from dflash_batch.tokenizer import Tokenizer
 
 # Think delimiters of the thinking models we know, tried in order when none are named.
 KNOWN = [("<think>", "</think>"), ("◁think▷", "◁/think▷")]

@@ -36,7 +36,7 @@ from dflash_batch.plan.buckets import Bucket, plan_buckets
 from dflash_batch.plan.ahead import fewer_gc_passes, prepare_ahead
 from dflash_batch.plan.rows import PreparedRow, sample_seed
 from dflash_batch.plan.shards import Shard
-from dflash_batch.plan.tokenize import Tokenizer, stop_token_ids
+from dflash_batch.tokenizer import Tokenizer, stop_token_ids
 from dflash_batch.reasoning import Delimiters, find_delimiters, split_reasoning
 
 EngineFactory = Callable[[Job, Tokenizer], Engine]

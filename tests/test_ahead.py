@@ -18,7 +18,7 @@ from dflash_batch.io.inputs import read_records
 from dflash_batch.job import JobError
 from dflash_batch.plan.ahead import prepare_ahead, prepared_batches
 from dflash_batch.plan.shards import Shard
-from dflash_batch.plan.tokenize import Tokenizer
+from dflash_batch.tokenizer import Tokenizer
 from dflash_batch.runner import run_job
 from dflash_batch.testing.procs import alive, children
 from tests.fake_engine import fake_factory

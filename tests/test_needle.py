@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from dflash_batch.cli import main
 from dflash_batch.plan.shards import Shard
-from dflash_batch.plan.tokenize import Tokenizer
+from dflash_batch.tokenizer import Tokenizer
 from dflash_batch.report import build_report, to_markdown
 from dflash_batch.runner import run_job
 from tests.fake_engine import FakeEngine

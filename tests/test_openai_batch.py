@@ -16,7 +16,7 @@ from dflash_batch.io.export import export_openai_batch
 from dflash_batch.io.openai_batch import RequestError, request_fields
 from dflash_batch.job import JobError
 from dflash_batch.plan.shards import Shard
-from dflash_batch.plan.tokenize import Tokenizer
+from dflash_batch.tokenizer import Tokenizer
 from dflash_batch.runner import run_job
 from dflash_batch.testing.tokenizer import make_tokenizer_dir
 from tests.engine_util import load_pair, make_drafter, make_target

@@ -17,7 +17,7 @@ from dflash_batch.engine.request import Completion, Request
 from dflash_batch.job import JobError
 from dflash_batch.plan.buckets import Bucket
 from dflash_batch.plan.shards import Shard
-from dflash_batch.plan.tokenize import Tokenizer
+from dflash_batch.tokenizer import Tokenizer
 from dflash_batch.runner import run_job
 from dflash_batch.testing.tokenizer import CHAT_TEMPLATE, make_tokenizer_dir
 from tests.jobs_util import base_job, read_out, write_job, write_jsonl

@@ -21,7 +21,7 @@ from dflash_batch.engine.request import Request, SamplingParams
 from dflash_batch.grammar import Grammars
 from dflash_batch.job import JobError, SamplingSpec
 from dflash_batch.plan.shards import Shard
-from dflash_batch.plan.tokenize import Tokenizer
+from dflash_batch.tokenizer import Tokenizer
 from dflash_batch.runner import open_tokenizer, run_job
 from dflash_batch.testing.tokenizer import make_tokenizer_dir
 from tests.engine_util import F64, bucket, load_pair, make_drafter, make_target, random_prompts

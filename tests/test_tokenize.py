@@ -8,7 +8,7 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from dflash_batch.plan.tokenize import KIMI_PATTERN, Tokenizer, stop_token_ids
+from dflash_batch.tokenizer import KIMI_PATTERN, Tokenizer, stop_token_ids
 from dflash_batch.testing.tokenizer import CHAT_TEMPLATE, make_tiktoken_dir
 
 # A template in the style of real ones: system handling, tojson, loop controls, raise_exception,

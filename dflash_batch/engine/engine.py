@@ -12,9 +12,7 @@ finished sequences and admit new ones into the freed rows.
 
 from __future__ import annotations
 
-import heapq
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -25,12 +23,12 @@ from dflash_batch.backends.torch_attention import TORCH
 from dflash_batch.engine.batch import DecodeBatch
 from dflash_batch.engine.cache import SeqRows, build_meta, row_pages, slots
 from dflash_batch.engine.graphs import RoundGraphs
+from dflash_batch.engine.queue import Queue
 from dflash_batch.engine.request import Completion, Logprobs, Request
 from dflash_batch.engine.round import ERROR, Round
 from dflash_batch.engine.sampling import (add_bias_, choose_tokens, hold_stops_, log_probs, mask_disallowed_,
                                           penalize_)
 from dflash_batch.engine.sequence import Sequence
-from dflash_batch.engine.sharing import PromptIndex
 from dflash_batch.engine.switch import AutoSpeculation
 from dflash_batch.plan.buckets import Bucket
 from kernels.accept import STOP
@@ -41,78 +39,6 @@ from kernels.sample import top1
 def is_out_of_memory(error: Exception) -> bool:
     return isinstance(error, torch.OutOfMemoryError) or (
         isinstance(error, RuntimeError) and "can't allocate memory" in str(error))
-
-
-class _Queue:
-    """One generate call's sequences: the requests still to start (with those sent back to
-    start over in front), the rows they take, which prefill and which decode, and how many may
-    run at once after a failure."""
-
-    def __init__(self, requests: Iterable[Request], rows: int, prefill_budget: int):
-        self.incoming, self.again = iter(requests), deque()
-        self.free_rows = list(range(rows))  # a heap: new sequences take the lowest row
-        self.prefilling: list[Sequence] = []
-        self.running: list[Sequence | None] = [None] * rows  # the sequence decoding in each row
-        self.limit, self.prefill_budget = rows, prefill_budget
-        self.min_prefill = min(prefill_budget, 16)
-        self.suspects: set = set()  # keys of requests that start over one at a time
-        self.exhausted = False
-        self.prompts = PromptIndex()
-
-    def active(self) -> int:
-        waiting = sum(len(s.followers) for s in self.prefilling)
-        return len(self.prefilling) + waiting + sum(s is not None for s in self.running)
-
-    def start(self, seq: Sequence, share: bool) -> None:
-        """Prefill `seq`, or (`share`) let it follow a sequence prefilling the same prompt."""
-        leader = self.prompts.leader(seq) if share else None
-        if leader is not None:
-            leader.followers.append(seq)
-        else:
-            self.prefilling.append(seq)
-        if share:
-            self.prompts.add(seq, prefills=leader is None)
-
-    def prefilled(self, seq: Sequence) -> None:
-        if seq in self.prefilling:
-            self.prefilling.remove(seq)
-        self.prompts.prefilled(seq)
-
-    def decode(self, seq: Sequence, batch: DecodeBatch) -> None:
-        batch.put(seq.row, seq)
-        self.running[seq.row] = seq
-
-    def room(self) -> bool:
-        limit = 1 if self.suspects else self.limit
-        return bool(self.free_rows) and self.active() < limit and not (self.exhausted and not self.again)
-
-    def next_request(self) -> tuple[Request | None, int]:
-        req = self.again.popleft() if self.again else next(self.incoming, None)
-        if req is None:
-            self.exhausted = True
-            return None, -1
-        return req, heapq.heappop(self.free_rows)
-
-    def forget(self, seq: Sequence, batch: DecodeBatch) -> None:
-        """Take a sequence out of prefill or decode (its row is freed by `release`)."""
-        if seq in self.prefilling:
-            self.prefilling.remove(seq)
-        self.prompts.remove(seq)
-        if self.running[seq.row] is seq:
-            self.running[seq.row] = None
-            batch.clear(seq.row)
-
-    def release(self, seq: Sequence, batch: DecodeBatch) -> None:
-        self.forget(seq, batch)
-        heapq.heappush(self.free_rows, seq.row)
-        self.suspects.discard(seq.request.key)
-
-    def requeue(self, seqs: list[Sequence], batch: DecodeBatch) -> None:
-        """Send sequences back to start over, in front of the queue, in their order."""
-        for seq in seqs:
-            self.forget(seq, batch)
-            heapq.heappush(self.free_rows, seq.row)
-        self.again.extendleft(reversed([s.request for s in seqs]))
 
 
 def runtime_tensors(models: list[torch.nn.Module]) -> list[torch.Tensor]:
@@ -177,7 +103,7 @@ class Engine:
         self.ring_caches = [] if self.ring is None else [
             t for t in runtime_tensors([self.drafter]) if t.shape[0] == self.ring.slots(seqs, self.page_size)]
         batch.clear_all()  # a previous generate that was closed early may have left rows
-        q = _Queue(requests, seqs, self.budget)
+        q = Queue(requests, seqs, self.budget)
         # inference_mode dispatches small ops faster; torch.compile wants plain no_grad tensors.
         with torch.no_grad() if self.compile else torch.inference_mode():
             while True:
@@ -222,7 +148,7 @@ class Engine:
                     block = 1
                     caches = slot_caches([self.target], batch)
 
-    def _recover(self, error: Exception, involved: list[Sequence], q: _Queue, batch: DecodeBatch,
+    def _recover(self, error: Exception, involved: list[Sequence], q: Queue, batch: DecodeBatch,
                  bucket: Bucket) -> list[Sequence]:
         """A step raised. Out of memory: its sequences start over later with half as many at a
         time (and half the prefill budget), and only one that runs out alone fails. Any other
@@ -312,7 +238,7 @@ class Engine:
             self.auto[bucket.name] = AutoSpeculation(*self.auto_speculation)
         return self.auto[bucket.name]
 
-    def _stop_speculating(self, bucket: Bucket, q: _Queue, batch: DecodeBatch,
+    def _stop_speculating(self, bucket: Bucket, q: Queue, batch: DecodeBatch,
                           pages_per_row: int) -> tuple[DecodeBatch, Round, RoundGraphs | None] | None:
         """An auto bucket's acceptance fell below its threshold: the sequences decoding go on
         target-only in the same rows (their pages and recurrent state, which B = 1 rounds read
@@ -435,7 +361,7 @@ class Engine:
             seq.check_stop_strings(self.decode, 1)
         return finishing
 
-    def _copy_heads(self, q: _Queue, caches: list[torch.Tensor]) -> list[Sequence]:
+    def _copy_heads(self, q: Queue, caches: list[torch.Tensor]) -> list[Sequence]:
         """Sequences about to start their prefill copy what another holds of their prompt's head
         (engine/sharing.py); returns those that prefill now (not waiting to copy a head)."""
         for seq in q.prefilling:

@@ -27,7 +27,7 @@ from dflash_batch.io.ledger import part_files
 from dflash_batch.io.openai_batch import CHAT_URL, COMPLETIONS_URL, RequestError, response_line
 from dflash_batch.io.spill import by_key
 from dflash_batch.job import Job, JobError
-from dflash_batch.plan.tokenize import Tokenizer
+from dflash_batch.tokenizer import Tokenizer
 
 MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string())])
 

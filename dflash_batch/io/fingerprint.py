@@ -24,7 +24,7 @@ from dflash_batch.job import LOCATIONS, Job
 SAMPLE = 1 << 20
 SAMPLES = 8
 CACHE_FILE = "fingerprints.json"
-# What checkpoints and tokenizers are read from (models/loader.py, plan/tokenize.py): a README
+# What checkpoints and tokenizers are read from (models/loader.py, tokenizer.py): a README
 # or a licence beside them changes no output.
 MODEL_FILES = (".json", ".safetensors", ".model", ".jinja")
 

@@ -28,7 +28,7 @@ from dflash_batch.io.fingerprint import identity_changes, run_identity
 from dflash_batch.io.outputs import SCHEMA_VERSION, CommitError, atomic_write_bytes
 from dflash_batch.io.spill import duplicates
 from dflash_batch.job import Job, JobError, is_location, is_tuning
-from dflash_batch.plan.shards import Shard, hash64
+from dflash_batch.keys import Shard, hash64
 
 
 def shard_dir(out_dir: Path, index: int) -> Path:

@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from dflash_batch.plan.shards import hash64
+from dflash_batch.keys import hash64
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 

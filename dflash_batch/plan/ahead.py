@@ -29,7 +29,7 @@ from dflash_batch.io.inputs import expand_paths, read_records
 from dflash_batch.job import Job, JobError
 from dflash_batch.plan.rows import PreparedRow, RowPreparer
 from dflash_batch.plan.shards import Shard
-from dflash_batch.plan.tokenize import Tokenizer
+from dflash_batch.tokenizer import Tokenizer
 
 Batch = list[PreparedRow]
 _DONE = "done"

@@ -18,7 +18,7 @@ from dflash_batch.job import GRAMMAR_FIELDS, Job, SamplingSpec
 from dflash_batch.plan.buckets import assign_bucket
 from dflash_batch.plan.messages import message_problem
 from dflash_batch.plan.shards import Shard, hash64, shard_of
-from dflash_batch.plan.tokenize import Tokenizer
+from dflash_batch.tokenizer import Tokenizer
 
 
 @dataclass(slots=True)

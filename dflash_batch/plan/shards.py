@@ -6,26 +6,12 @@ retries and across changes to how the input is split into files.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from dflash_batch.job import JobError, ShardingSpec
+from dflash_batch.keys import Shard, hash64
 
 SLURM_VARS = ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_COUNT", "SLURM_ARRAY_TASK_MIN")
-
-
-@dataclass(frozen=True)
-class Shard:
-    index: int
-    count: int
-
-    def __str__(self) -> str:
-        return f"{self.index}/{self.count}"
-
-
-def hash64(text: str) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
 def shard_of(row_id: str, count: int) -> int:

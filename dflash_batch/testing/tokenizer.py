@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from dflash_batch.plan.tokenize import byte_of_char
+from dflash_batch.tokenizer import byte_of_char
 
 SPECIAL = ["<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 

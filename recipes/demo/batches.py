@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_batch.plan.tokenize import Tokenizer
+from dflash_batch.tokenizer import Tokenizer
 from recipes.demo import data
 
 

@@ -23,7 +23,7 @@ from dflash_batch.engine.request import Request, SamplingParams
 from dflash_batch.engine.pair import attach_drafter
 from dflash_batch.models.loader import load_model
 from dflash_batch.plan.buckets import Bucket
-from dflash_batch.plan.tokenize import Tokenizer, stop_token_ids
+from dflash_batch.tokenizer import Tokenizer, stop_token_ids
 from recipes.demo import data
 
 EVAL_SEED = 10 ** 9  # far from the training streams' seeds
