@@ -20,10 +20,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash_batch.job import gpu_bytes, load_job
+from dflash_batch.models.loader import load_config
+from dflash_batch.plan.memory import moe_layers
 from dflash_batch.sizing import GB, plan_job
 
 JOBS = Path(__file__).resolve().parent.parent / "jobs"
-H, LATENT, LAYERS, MOE_LAYERS, TOP_K, BLOCK, DRAFT_LAYERS, BF16 = 7168, 3584, 93, 92, 16, 8, 5, 2
+TARGET = load_config(JOBS / "models/moonshotai/Kimi-K3")["text_config"]
+DRAFTER = load_config(JOBS / "models/lightseekorg/kimi-k3-dflash2")
+H, LATENT, TOP_K = TARGET["hidden_size"], TARGET["routed_expert_hidden_size"], TARGET["num_experts_per_token"]
+LAYERS, MOE_LAYERS, DRAFT_LAYERS = TARGET["num_hidden_layers"], moe_layers(TARGET), DRAFTER["num_hidden_layers"]
+BLOCK, BF16 = DRAFTER["dflash_config"]["block_size"], 2
 # Per GPU, one direction, GB/s: NVLink 4 (H200) and 5 (GB300); a 400 Gb/s NIC; HBM3e.
 NVLINK = {"h200": 450, "gb300": 900}
 IB, HBM = 50, {"h200": 4800, "gb300": 8000}

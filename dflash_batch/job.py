@@ -21,6 +21,8 @@ MAX_CONTEXT = 131072
 # Nominal memory of the GPUs engine.gpu_memory names, in GB (10^9 bytes; the driver reports a
 # little more: an H200's total_memory is 150.1e9 bytes).
 GPUS = {"h100": 80, "h200": 141, "b200": 180, "gb300": 288}
+GRAMMAR_FIELDS = ("json_schema", "regex", "choice")  # structured output: at most one per sample
+OPENAI_PASSTHROUGH = ["url", "model"]  # what export --format openai_batch needs of each request
 
 
 def gpu_bytes(text: str) -> int:
@@ -32,11 +34,9 @@ def gpu_bytes(text: str) -> int:
         size = float(key.removesuffix("gb"))
     except ValueError:
         size = 0.0
-    if not size > 0:
+    if not 0 < size < float("inf"):
         raise ValueError(f"GPU memory {text!r}: give a positive size in GB or one of {', '.join(GPUS)}")
     return int(size * 10**9)
-GRAMMAR_FIELDS = ("json_schema", "regex", "choice")  # structured output: at most one per sample
-OPENAI_PASSTHROUGH = ["url", "model"]  # what export --format openai_batch needs of each request
 
 
 class _Strict(BaseModel):
@@ -158,6 +158,9 @@ class EngineSpec(_Strict):
         None, description="Batch sizes captured as CUDA graphs (a round is padded to the next one); "
         "absent: powers of two up to the largest max_num_seqs, and it. Only with CUDA graphs on.")
     page_size: int = Field(16, ge=1, description="Tokens per KV-cache page.")
+    auto_speculation: AutoSpeculationSpec | None = Field(
+        None, description="When buckets with `speculation: auto` turn it off; absent: the defaults. Only "
+        "with such a bucket.")
     gpu_memory: str | None = Field(
         None, description="The GPU each rank runs on (h100, h200, b200, gb300, or its memory in GB): "
         "validate and run refuse the job when its memory plan (dflash-batch plan) does not fit it.")
@@ -168,9 +171,6 @@ class EngineSpec(_Strict):
         if value is not None:
             gpu_bytes(value)
         return value
-    auto_speculation: AutoSpeculationSpec | None = Field(
-        None, description="When buckets with `speculation: auto` turn it off; absent: the defaults. Only "
-        "with such a bucket.")
 
 
 class BucketSpec(_Strict):

@@ -38,6 +38,8 @@ def planned(size: int) -> Iterator[None]:
 
 
 def rank() -> int:
+    if _planned is not None:
+        return 0
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 

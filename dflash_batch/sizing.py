@@ -22,7 +22,9 @@ import torch
 
 from dflash_batch import parallel
 from dflash_batch.build import DTYPES, EngineSetup, resolve_engine
+from dflash_batch.engine.batch import DecodeBatch
 from dflash_batch.engine.engine import Engine, runtime_tensors
+from dflash_batch.grammar import asks_for_grammar
 from dflash_batch.engine.pair import attach_drafter
 from dflash_batch.job import Job, JobError, gpu_bytes
 from dflash_batch.models import activations
@@ -72,7 +74,7 @@ class BucketNeed:
 class Plan:
     tp: int
     gpu: int
-    weights: dict[str, int]      # by what the rank holds: "target bf16", "target uint8 (MXFP4)", ...
+    weights: dict[str, int]      # by model and dtype held: "target weights bfloat16", ...
     fixed: dict[str, int]        # workspace, reserve
     buckets: list[BucketNeed]
     largest: list[int]           # the largest max_num_seqs that fits, per bucket (0: not even one)
@@ -142,17 +144,32 @@ class _Sizer:
         return out
 
     def need(self, bucket: Bucket) -> BucketNeed:
-        s = self.job.sampling
         with parallel.planned(self.tp):
             batch = self.engine.allocate(bucket)
-            batch.allocate_for(bool(s.logit_bias), s.repetition_penalty != 1 or bool(s.frequency_penalty)
-                               or bool(s.presence_penalty), s.logprobs is not None)
-            block = batch.block
-            models = [self.target] + ([self.drafter] if block > 1 else [])
-            caches = sum(t.nbytes for t in runtime_tensors(models))
-            state = sum(t.nbytes for t in vars(batch).values() if isinstance(t, torch.Tensor))
-            return BucketNeed(bucket, caches, state, self._prefill(bucket, block),
-                              self._round(batch.rows, block, bucket.max_tokens + block), self.setup.cuda_graphs)
+            self._grow(batch)
+            block, keys = batch.block, bucket.max_tokens + batch.block
+            caches = sum(t.nbytes for t in runtime_tensors([self.target, self.drafter] if self.drafter else [self.target]))
+            state = _bytes(batch) + self._grammar(batch)
+            round_ = self._round(batch.rows, block, keys)
+            if bucket.speculation == "auto" and block > 1:
+                # Turning speculation off builds the one-row batch (and its graphs) beside this one.
+                one = DecodeBatch(batch.rows, 1, batch.tables.shape[1], self.engine.page_size, bucket.max_num_seqs,
+                                  "meta", self.engine.vocab_size, batch)
+                state += _bytes(one) + self._grammar(one)
+                round_ += self._round(batch.rows, 1, keys) if self.setup.cuda_graphs else 0
+            return BucketNeed(bucket, caches, state, self._prefill(bucket, block), round_, self.setup.cuda_graphs)
+
+    def _grow(self, batch: DecodeBatch) -> None:
+        """What the job's rows may ask for that the batch keeps for every row (the job's sampling,
+        or a row's own where its input may set it)."""
+        s, may = self.job.sampling, self.job.input.rows_may_set
+        penalties = s.repetition_penalty != 1 or bool(s.frequency_penalty) or bool(s.presence_penalty) or any(
+            may(f) for f in ("repetition_penalty", "frequency_penalty", "presence_penalty"))
+        batch.allocate_for(bool(s.logit_bias) or may("logit_bias"), penalties, s.logprobs is not None or may("logprobs"))
+
+    def _grammar(self, batch: DecodeBatch) -> int:
+        """The device copy of the grammar masks (a bit a token, a verify row), where a row may use one."""
+        return batch.rows * batch.block * -(-self.engine.vocab_size // 32) * 4 if asks_for_grammar(self.job) else 0
 
     def _prefill(self, bucket: Bucket, block: int) -> int:
         tokens = min(self.job.engine.max_num_batched_tokens, bucket.max_num_seqs * bucket.max_tokens)
@@ -166,7 +183,10 @@ class _Sizer:
         return need
 
     def _round(self, rows: int, block: int, keys: int) -> int:
-        tokens, sampled = rows * block, self.job.sampling.temperature > 0
+        # Under CUDA graphs the sampled rounds are captured too (one pool for both), whatever the job.
+        tokens = rows * block
+        sampled = self.job.sampling.temperature > 0 or self.setup.cuda_graphs or self.job.input.rows_may_set(
+            "temperature")
         torch_attention = self.setup.backend == "torch"
         verify = activations.forward_bytes(self.widths[self.target], tokens, tokens, sampled, rows, keys,
                                            torch_attention)
@@ -190,9 +210,16 @@ class _Planned:
         return latent or self.name == "torch"
 
 
-def _build(path: str):
+def _build(path: str) -> torch.nn.Module:
     config = load_config(path)
-    return model_class(config)(config)
+    try:
+        return model_class(config)(config)
+    except ValueError as e:  # a width that does not split over the ranks
+        raise JobError(f"{path}: {e}") from None
+
+
+def _bytes(batch: DecodeBatch) -> int:
+    return sum(t.nbytes for t in vars(batch).values() if isinstance(t, torch.Tensor))
 
 
 def plan_job(job: Job, job_dir: Path, gpu: int, tp: int | None = None, reserve: int | None = None,
@@ -231,7 +258,7 @@ def smallest_tp(job: Job, job_dir: Path, gpu: int, reserve: int | None = None) -
     for tp in TP_SIZES:
         try:
             plan = plan_job(job, job_dir, gpu, tp, reserve)
-        except ValueError:  # a width that does not split over tp ranks
+        except JobError:  # a width that does not split over tp ranks
             continue
         if all(plan.largest):
             return tp

@@ -6,7 +6,6 @@ the allocator's peak of a real run of the bucket, greedy and sampled, within a f
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from dflash_batch import parallel
 from dflash_batch.backends.torch_attention import TORCH
 from dflash_batch.build import EngineSetup
 from dflash_batch.cli import main
-from dflash_batch.engine.engine import Engine
+from dflash_batch.engine.engine import Engine, runtime_tensors
 from dflash_batch.engine.pair import attach_drafter
 from dflash_batch.engine.request import Request, SamplingParams
 from dflash_batch.job import load_job
@@ -45,8 +44,9 @@ def jobs(tmp_path_factory):
     for family, (target, drafter) in {"qwen3": (d / "qwen3", d / "qwen3_drafter"), "kimi": (kimi, kimi_drafter)}.items():
         doc = {"input": {"paths": ["prompts.jsonl"], "prompt_column": "prompt"},
                "model": {"target": str(target), "drafter": str(drafter), "dtype": "float32"},
-               "engine": {"max_model_len": 256, "max_num_seqs": 3, "max_num_batched_tokens": 96},
-               "buckets": [{"max_tokens": 128, "max_num_seqs": 3}, {"max_tokens": 256, "max_num_seqs": 2}],
+               "engine": {"max_model_len": 384, "max_num_seqs": 3, "max_num_batched_tokens": 96},
+               "buckets": [{"max_tokens": 128, "max_num_seqs": 3}, {"max_tokens": 256, "max_num_seqs": 2},
+                           {"max_tokens": 384, "max_num_seqs": 2, "speculation": False}],
                "sampling": {"max_new_tokens": 24}, "output": {"dir": "out"}}
         (d / f"{family}.yaml").write_text(yaml.safe_dump(doc))
         out[family] = load_job(d / f"{family}.yaml")
@@ -92,15 +92,31 @@ def test_weights_are_the_bytes_loading_allocates(jobs, family, tp, monkeypatch, 
 
 
 @pytest.mark.parametrize("family", ["qwen3", "kimi"])
-def test_caches_and_state_are_the_bytes_the_engine_allocates(jobs, family, tmp_path):
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("features", [False, True])
+def test_caches_and_state_are_the_bytes_the_engine_allocates(jobs, family, tp, features, tmp_path, monkeypatch):
+    """One engine through the job's buckets in order (a speculating bucket, then one that is not):
+    what it holds after each is the plan's bucket, and the previous bucket's caches and graphs are
+    gone before the next one's come."""
     job = jobs[family]
-    plan = plan_job(job, tmp_path, 80 * GB, setup=CPU)
+    if features:  # logprobs and penalties: vocabulary-wide tensors in every row
+        job = job.model_copy(update={"sampling": job.sampling.model_copy(update={"logprobs": 2,
+                                                                                  "repetition_penalty": 1.1})})
+    plan = plan_job(job, tmp_path, 80 * GB, tp=tp, setup=CPU)
+    monkeypatch.setattr(parallel, "world_size", lambda: tp)
+    target, drafter = load_pair(job)
+    engine = cpu_engine(job, target, drafter)
+    held = previous = 0
     for need in plan.buckets:
-        engine = cpu_engine(job, *load_pair(job))
-        _, allocated, _ = allocator(lambda: engine.allocate(need.bucket))
-        assert allocated == need.caches + need.batch, need.bucket.name
-    # More sequences hold more: the plan is not a constant.
-    assert plan.buckets[0].caches != plan.buckets[1].caches
+        # A row asking for logprobs and penalties makes the batch grow (DecodeBatch.put); the plan grows it ahead.
+        _, allocated, peak = allocator(lambda: engine.allocate(need.bucket).allocate_for(False, features, features))
+        held += allocated
+        assert held == need.caches + need.batch, need.bucket.name
+        if previous:  # the old bucket's caches go as the new one's come, not after
+            assert held - allocated + peak < previous + need.caches + need.batch, need.bucket.name
+        previous = held
+    assert not plan.buckets[2].bucket.speculation and not runtime_tensors([drafter])  # its caches freed
+    assert plan.buckets[0].caches != plan.buckets[1].caches  # more sequences, longer rows: not a constant
 
 
 def _requests(bucket, n: int, vocab: int, temperature: float) -> list[Request]:
@@ -121,7 +137,7 @@ def test_activations_bound_a_real_run_within_a_margin(jobs, family, sampled, tmp
     target, drafter = load_pair(job)
     need, bucket = plan.buckets[0], plan_buckets(job)[0]
     engine = cpu_engine(job, target, drafter)
-    engine.allocate(bucket)  # caches of the bucket's shape, reused by generate
+    engine.allocate(bucket)  # the bucket's caches and state, which generate keeps: only activations are measured
     requests = _requests(bucket, bucket.max_num_seqs, target.vocab_size, job.sampling.temperature)
     _, _, peak = allocator(lambda: list(engine.generate(requests, bucket)))
     bound = max(need.prefill, need.round)
@@ -129,21 +145,15 @@ def test_activations_bound_a_real_run_within_a_margin(jobs, family, sampled, tmp
     assert peak <= bound <= MARGIN * peak, (peak, need.prefill, need.round)
 
 
-def test_a_bucket_that_grows_needs_more_and_the_largest_fit_is_found(jobs, tmp_path):
+def test_a_gpu_of_exactly_a_bucket_s_total_fits_its_max_num_seqs_and_not_one_more(jobs, tmp_path):
     job = jobs["kimi"]
     plan = plan_job(job, tmp_path, 80 * GB, setup=CPU)
-    base, need = plan.base, plan.buckets[0]
-    # A GPU of exactly the first bucket's total fits its max_num_seqs and not one more.
-    exact = plan_job(job, tmp_path, base + need.total, setup=CPU, reserve=plan.fixed["reserve (context, NCCL, fragmentation)"])
+    need, reserve = plan.buckets[0], plan.fixed["reserve (context, NCCL, fragmentation)"]
+    exact = plan_job(job, tmp_path, plan.base + need.total, setup=CPU, reserve=reserve)
     assert exact.largest[0] == need.bucket.max_num_seqs
-    bigger = dataclasses.replace(need.bucket, max_num_seqs=need.bucket.max_num_seqs + 1)
-    assert plan_job(job, tmp_path, 80 * GB, setup=CPU).buckets[0].total < _total(job, tmp_path, bigger)
-
-
-def _total(job, tmp_path, bucket) -> int:
-    from dflash_batch.sizing import _Sizer
-
-    return _Sizer(job, tmp_path, 1, CPU).need(bucket).total
+    one_more = job.model_copy(update={"buckets": [b.model_copy(update={"max_num_seqs": b.max_num_seqs + 1})
+                                                  for b in job.buckets]})
+    assert plan_job(one_more, tmp_path, 80 * GB, setup=CPU).buckets[0].total > need.total
 
 
 JOBS = Path(__file__).resolve().parent.parent / "jobs"
@@ -170,16 +180,18 @@ def test_the_h200_job_is_refused_at_tp8_with_the_numbers():
 
 
 def test_validate_and_run_refuse_a_job_that_does_not_fit_before_loading_models(jobs, tmp_path):
+    weights = sum(plan_job(jobs["kimi"], tmp_path, 80 * GB).weights.values())
+    gpu = (8 * GB + weights // 2) / GB  # the 8 GB reserve and half the weights
     doc = {"input": {"paths": [str(tmp_path / "prompts.jsonl")], "prompt_column": "prompt"},
            "model": {"target": jobs["kimi"].model.target, "drafter": jobs["kimi"].model.drafter, "dtype": "float32"},
-           "engine": {"max_model_len": 256, "gpu_memory": "0.01"},  # 10 MB: less than the weights
+           "engine": {"max_model_len": 256, "gpu_memory": str(gpu)},
            "output": {"dir": str(tmp_path / "out")}}
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "a"}\n')
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(doc))
     for command in (["validate", "--no-inputs"], ["run"]):
         result = CliRunner().invoke(main, [*command, str(tmp_path / "job.yaml")])
         assert result.exit_code == 2, result.output  # a job that cannot run, as every refused job
-        assert "engine.gpu_memory 0.01: the job does not fit" in result.output
+        assert f"engine.gpu_memory {gpu}: the job does not fit" in result.output
         assert "weights and fixed" in result.output
     assert not (tmp_path / "out").exists()
 

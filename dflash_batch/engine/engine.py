@@ -47,6 +47,14 @@ def runtime_tensors(models: list[torch.nn.Module]) -> list[torch.Tensor]:
             if isinstance(v, torch.Tensor)]
 
 
+def release_caches(model: torch.nn.Module) -> None:
+    """Drop the caches a model keeps (its runtime_tensors)."""
+    for module in model.modules():
+        for name, value in list(vars(module).items()):
+            if isinstance(value, torch.Tensor):
+                setattr(module, name, None)
+
+
 def slot_caches(models: list[torch.nn.Module], batch: DecodeBatch) -> list[torch.Tensor]:
     """The caches indexed by the batch's slots (K/V, latents): what a sequence sharing a prompt copies."""
     return [t for t in runtime_tensors(models) if t.shape[0] == batch.num_slots]
@@ -95,8 +103,7 @@ class Engine:
         # A batch whose stop-id tensor had to grow is replaced (its graphs read the old one).
         if (kept is None or kept[0] != shape or kept[2].reshaped
                 or any(a is not b for a, b in zip(runtime_tensors(models), kept[1]))):
-            batch, step, graphs = self._allocate(bucket, block, pages_per_row, models)
-            self.bucket_state = (shape, runtime_tensors(models), batch, step, graphs)
+            self.allocate(bucket)
         _, _, batch, step, graphs = self.bucket_state
         caches = slot_caches(models, batch)
         self.ring = batch.ring
@@ -177,10 +184,18 @@ class Engine:
 
     # -- steps ---------------------------------------------------------------------------------
     def allocate(self, bucket: Bucket) -> DecodeBatch:
-        """A bucket's caches, state and decoding state, as generate allocates them (on the meta
-        device: what they would take, sizing.py)."""
+        """A bucket's caches, state and decoding state (on the meta device: what they would take,
+        sizing.py), kept for generate while the next bucket has the same shape."""
         block, pages_per_row, models = self._shape(bucket)
-        return self._allocate(bucket, block, pages_per_row, models)[0]
+        previous = self.bucket_state[2] if self.bucket_state is not None else None
+        # The last bucket's graphs and the caches it held go before this one's come (the models
+        # replace their caches layer by layer): two buckets are never held at once.
+        self.bucket_state = None
+        if block == 1 and self.drafter is not None:
+            release_caches(self.drafter)  # a bucket without the drafter does not hold its caches
+        batch, step, graphs = self._allocate(bucket, block, pages_per_row, models, previous)
+        self.bucket_state = ((bucket.max_num_seqs, pages_per_row, block), runtime_tensors(models), batch, step, graphs)
+        return batch
 
     def _shape(self, bucket: Bucket) -> tuple[int, int, list[torch.nn.Module]]:
         """(block size, pages a row, the models whose caches it reads) of a bucket."""
@@ -188,8 +203,8 @@ class Engine:
         models = [m for m in (self.target, self.drafter if block > 1 else None) if m is not None]
         return block, -(-(bucket.max_tokens + block) // self.page_size), models
 
-    def _allocate(self, bucket: Bucket, block: int, pages_per_row: int,
-                  models: list[torch.nn.Module]) -> tuple[DecodeBatch, Round, RoundGraphs | None]:
+    def _allocate(self, bucket: Bucket, block: int, pages_per_row: int, models: list[torch.nn.Module],
+                  previous: DecodeBatch | None) -> tuple[DecodeBatch, Round, RoundGraphs | None]:
         """Caches, recurrent state, the decoding state and its graphs for buckets of this shape
         (kept while the next bucket has the same one: captured graphs read these tensors)."""
         seqs = bucket.max_num_seqs
@@ -213,7 +228,6 @@ class Engine:
         if self.recurrent:  # a state slot per row; slot `seqs` is the padding rows' scratch
             self.target.allocate_state(seqs + 1, rows, block, self.device)
         # What the last bucket's requests made its batch grow is allocated at once: no second regrowth.
-        previous = self.bucket_state[2] if self.bucket_state is not None else None
         batch = DecodeBatch(rows, block, pages_per_row, self.page_size, seqs, self.device, self.vocab_size, previous,
                             ring)
         rings = f" (the drafter's sliding layers: rings of {ring.pages * self.page_size} slots)" if ring else ""

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torch import nn
+
 from dflash_batch import parallel
 from dflash_batch.backends.torch_attention import SCORES_LIMIT
 
@@ -36,7 +38,7 @@ class Widths:
     chunk: int = 0  # what a prefill holds whatever its length (the torch KDA's chunk products)
 
 
-def widths(model, dtype_bytes: int, torch_kernels: bool) -> Widths:
+def widths(model: nn.Module, dtype_bytes: int, torch_kernels: bool) -> Widths:
     """`torch_kernels`: the torch references run (the CPU path), not the Triton kernels."""
     config, tp, b = model.config, parallel.world_size(), dtype_bytes
     config = config.get("text_config", config)
@@ -78,7 +80,7 @@ def _kimi(config: dict, tp: int, b: int, torch_kernels: bool) -> Widths:
     # AttnRes: the torch reference stacks the snapshots and widens them; the Triton kernel reads them.
     mix = 2 * (blocks + 1) * hidden * WIDE if torch_kernels else 0
     # The torch chunked delta rule holds a few [heads, chunk, chunk, d] float32 products at once.
-    chunk = 5 * lin["num_heads"] // tp * KDA_CHUNK ** 2 * lin["head_dim"] * WIDE if torch_kernels else 0
+    chunk = 4 * lin["num_heads"] // tp * KDA_CHUNK ** 2 * lin["head_dim"] * WIDE if torch_kernels else 0
     stream = (blocks + 4) * hidden * b
     return Widths(stream, max(attn, moe, dense, mix) + hidden * WIDE, config["vocab_size"] // tp,
                   config["num_attention_heads"] // tp, (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * b,
