@@ -29,6 +29,18 @@ from dflash_batch.plan.buckets import Bucket  # noqa: E402
 from dflash_batch.tokenizer import Tokenizer, stop_token_ids  # noqa: E402
 
 
+def load_demo(models: Path) -> tuple[torch.nn.Module, torch.nn.Module, Tokenizer, tuple[int, ...], list[list[int]]]:
+    """The demo pair (paired), its tokenizer, its stop ids and the demo job's word problems as tokens."""
+    target, drafter = load_model(models / "target"), load_model(models / "drafter")
+    attach_drafter(target, drafter)
+    tok = Tokenizer(models / "target")
+    eos = tuple(stop_token_ids(models / "target", tok))
+    rows = [json.loads(line) for line in (ROOT / "jobs/demo/prompts.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r["dataset"] != "few-shot"]
+    prompts = tok.encode_batch([tok.render_chat(r["messages"], {}) for r in rows], add_special_tokens=False)
+    return target, drafter, tok, eos, prompts
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", type=Path, default=ROOT / "jobs/demo/models")
@@ -37,14 +49,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    target = load_model(args.models / "target")
-    drafter = load_model(args.models / "drafter")
-    attach_drafter(target, drafter)
-    tok = Tokenizer(args.models / "target")
-    eos = tuple(stop_token_ids(args.models / "target", tok))
-    rows = [json.loads(line) for line in (ROOT / "jobs/demo/prompts.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if r["dataset"] != "few-shot"][:args.prompts]
-    prompts = tok.encode_batch([tok.render_chat(r["messages"], {}) for r in rows], add_special_tokens=False)
+    target, drafter, tok, eos, prompts = load_demo(args.models)
+    prompts = prompts[:args.prompts]
     engines = {"spec": Engine(target, drafter, tok.decode), "target-only": Engine(target, None, tok.decode)}
 
     def decode(engine: Engine, batch: int, temperature: float) -> tuple[float, float | None, int]:

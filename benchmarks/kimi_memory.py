@@ -46,10 +46,11 @@ def tp_bytes_per_token() -> tuple[int, int]:
 def main() -> None:
     jobs = [("kimi-k3-dflash2.yaml", "gb300", 8), ("kimi-k3-dflash2-h200.yaml", "h200", 8),
             ("kimi-k3-dflash2-h100.yaml", "h100", 8)]
+    plans = {name: plan_job(load_job(JOBS / name), JOBS, gpu_bytes(gpu)) for name, gpu, _ in jobs}
     print("memory plan per rank (dflash-batch plan JOB --gpu-memory GPU), GB:")
     print(f"{'job':<28} {'gpu':>6} {'tp':>4} {'nodes':>5} {'weights':>8} {'bucket':>13} {'seqs':>5} {'total':>7}")
     for name, gpu, per_node in jobs:
-        plan = plan_job(load_job(JOBS / name), JOBS, gpu_bytes(gpu))
+        plan = plans[name]
         for need in plan.buckets:
             print(f"{name:<28} {gpu:>6} {plan.tp:>4} {-(-plan.tp // per_node):>5} "
                   f"{sum(plan.weights.values()) / GB:>8.1f} {need.bucket.name:>13} {need.bucket.max_num_seqs:>5} "
@@ -60,7 +61,7 @@ def main() -> None:
           f"{'HBM floor ms':>12} {'EP MB/rank':>10} {'EP IB ms':>8}")
     for label, gpu, tp, nodes, name in (("TP8, 1 GB300 node", "gb300", 8, 1, "kimi-k3-dflash2.yaml"),
                                         ("TP16, 2 H200 nodes", "h200", 16, 2, "kimi-k3-dflash2-h200.yaml")):
-        plan = plan_job(load_job(JOBS / name), JOBS, gpu_bytes(gpu))
+        plan = plans[name]
         weights = sum(plan.weights.values())
         g = tp // nodes
         for rows in (1, 16, plan.buckets[0].bucket.max_num_seqs):

@@ -13,7 +13,6 @@ usage: python benchmarks/spec_schedule.py [--repeats 3] [--threads 1] [--max-new
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -24,12 +23,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.demo_pair import load_demo  # noqa: E402
 from dflash_batch.engine.engine import Engine  # noqa: E402
-from dflash_batch.engine.pair import attach_drafter  # noqa: E402
 from dflash_batch.engine.request import Request, SamplingParams  # noqa: E402
-from dflash_batch.models.loader import load_model  # noqa: E402
 from dflash_batch.plan.buckets import Bucket  # noqa: E402
-from dflash_batch.tokenizer import Tokenizer, stop_token_ids  # noqa: E402
 
 BATCHES = (1, 4, 16, 64)
 DRAFTS = range(8)  # 0: target-only
@@ -43,13 +40,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    target, drafter = load_model(args.models / "target"), load_model(args.models / "drafter")
-    attach_drafter(target, drafter)
-    tok = Tokenizer(args.models / "target")
-    eos = tuple(stop_token_ids(args.models / "target", tok))
-    rows = [json.loads(line) for line in (ROOT / "jobs/demo/prompts.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if r["dataset"] != "few-shot"]
-    prompts = tok.encode_batch([tok.render_chat(r["messages"], {}) for r in rows], add_special_tokens=False)
+    target, drafter, tok, eos, prompts = load_demo(args.models)
     engines = {False: Engine(target, None, tok.decode), True: Engine(target, drafter, tok.decode)}
 
     def decode(batch: int, drafts: int) -> tuple[float, float | None]:

@@ -24,12 +24,11 @@ from dflash_batch import parallel
 from dflash_batch.build import DTYPES, EngineSetup, resolve_engine
 from dflash_batch.engine.batch import DecodeBatch
 from dflash_batch.engine.engine import Engine, runtime_tensors
-from dflash_batch.grammar import asks_for_grammar
 from dflash_batch.engine.pair import attach_drafter
+from dflash_batch.grammar import asks_for_grammar
 from dflash_batch.job import Job, JobError, gpu_bytes
 from dflash_batch.models import activations
-from dflash_batch.models.loader import default_dtype, load_config
-from dflash_batch.models.registry import model_class
+from dflash_batch.models.loader import build_model
 from dflash_batch.plan.buckets import Bucket, plan_buckets
 from kernels import _triton
 
@@ -84,9 +83,12 @@ class Plan:
     def base(self) -> int:
         return sum(self.weights.values()) + sum(self.fixed.values())
 
+    def holds(self, need: BucketNeed) -> bool:
+        return self.base + need.total <= self.gpu
+
     @property
     def fits(self) -> bool:
-        return all(self.base + b.total <= self.gpu for b in self.buckets)
+        return all(map(self.holds, self.buckets))
 
     def table(self) -> str:
         lines = [*self.notes, f"per rank, TP{self.tp}, on a GPU of {self.gpu / GB:.0f} GB:"]
@@ -101,7 +103,7 @@ class Plan:
             b = need.bucket
             lines.append(f"  {b.name:<14} {b.max_num_seqs:>5} {need.caches / GB:>8.2f} {need.batch / GB:>7.3f} "
                          f"{need.prefill / GB:>8.2f} {need.round / GB:>8.2f} {(self.base + need.total) / GB:>8.2f} "
-                         f"{'yes' if self.base + need.total <= self.gpu else 'NO':>5} {largest:>12}")
+                         f"{'yes' if self.holds(need) else 'NO':>5} {largest:>12}")
         return "\n".join(lines)
 
 
@@ -122,9 +124,9 @@ class _Sizer:
         self.setup = setup or resolve_engine(sized, cuda=True, flashinfer=True)
         dtype = DTYPES[job.model.dtype]
         self.dtype_bytes = torch.empty(0, dtype=dtype).element_size()
-        with parallel.planned(tp), torch.device("meta"), default_dtype(dtype):
-            self.target = _build(paths["target"])
-            self.drafter = _build(paths["drafter"]) if "drafter" in paths else None
+        with parallel.planned(tp):
+            self.target = _build(paths["target"], dtype)
+            self.drafter = _build(paths["drafter"], dtype) if "drafter" in paths else None
         if self.drafter is not None:
             attach_drafter(self.target, self.drafter)
         self.engine = Engine(self.target, self.drafter, page_size=job.engine.page_size,
@@ -134,6 +136,11 @@ class _Sizer:
             torch_kernels = self.setup.device != "cuda" or not _triton.available()
             self.widths = {m: activations.widths(m, self.dtype_bytes, torch_kernels)
                            for m in (self.target, self.drafter) if m}
+
+    def fixed(self, gpu: int, reserve: int | None) -> dict[str, int]:
+        """What a rank holds besides weights and buckets: the attention workspace, the reserve."""
+        return {"attention workspace": FLASHINFER_WORKSPACE if self.setup.backend == "flashinfer" else 0,
+                "reserve (context, NCCL, fragmentation)": default_reserve(gpu) if reserve is None else reserve}
 
     def weights(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -210,10 +217,9 @@ class _Planned:
         return latent or self.name == "torch"
 
 
-def _build(path: str) -> torch.nn.Module:
-    config = load_config(path)
+def _build(path: str, dtype: torch.dtype) -> torch.nn.Module:
     try:
-        return model_class(config)(config)
+        return build_model(path, dtype, "meta")
     except ValueError as e:  # a width that does not split over the ranks
         raise JobError(f"{path}: {e}") from None
 
@@ -229,15 +235,12 @@ def plan_job(job: Job, job_dir: Path, gpu: int, tp: int | None = None, reserve: 
     a GPU host with flashinfer runs)."""
     tp = tp or job.model.tensor_parallel_size
     sizer = _Sizer(job, job_dir, tp, setup)
-    fixed = {"attention workspace": FLASHINFER_WORKSPACE if sizer.setup.backend == "flashinfer" else 0,
-             "reserve (context, NCCL, fragmentation)": default_reserve(gpu) if reserve is None else reserve}
-    weights = sizer.weights()
+    weights, fixed = sizer.weights(), sizer.fixed(gpu, reserve)
     base = sum(weights.values()) + sum(fixed.values())
     buckets = plan_buckets(job)
-    needs = [sizer.need(b) for b in buckets]
     largest = [_largest(lambda s, b=b: base + sizer.need(dataclasses.replace(b, max_num_seqs=s)).total <= gpu)
                for b in buckets]
-    return Plan(tp, gpu, weights, fixed, needs, largest, sizer.notes)
+    return Plan(tp, gpu, weights, fixed, [sizer.need(b) for b in buckets], largest, sizer.notes)
 
 
 def _largest(fits, limit: int = 1 << 14) -> int:
@@ -257,10 +260,11 @@ def smallest_tp(job: Job, job_dir: Path, gpu: int, reserve: int | None = None) -
     """The fewest ranks at which one sequence of every bucket fits (None: not up to 64)."""
     for tp in TP_SIZES:
         try:
-            plan = plan_job(job, job_dir, gpu, tp, reserve)
+            sizer = _Sizer(job, job_dir, tp, None)
         except JobError:  # a width that does not split over tp ranks
             continue
-        if all(plan.largest):
+        base = sum(sizer.weights().values()) + sum(sizer.fixed(gpu, reserve).values())
+        if all(base + sizer.need(dataclasses.replace(b, max_num_seqs=1)).total <= gpu for b in plan_buckets(job)):
             return tp
     return None
 

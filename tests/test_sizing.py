@@ -20,7 +20,6 @@ from dflash_batch.backends.torch_attention import TORCH
 from dflash_batch.build import EngineSetup
 from dflash_batch.cli import main
 from dflash_batch.engine.engine import Engine, runtime_tensors
-from dflash_batch.engine.pair import attach_drafter
 from dflash_batch.engine.request import Request, SamplingParams
 from dflash_batch.job import load_job
 from dflash_batch.models.loader import load_model
@@ -28,7 +27,7 @@ from dflash_batch.plan.buckets import plan_buckets
 from dflash_batch.plan.memory import planned_expert_bytes
 from dflash_batch.sizing import GB, plan_job
 from dflash_batch.testing.kimi_pair import make_kimi_pair
-from tests.engine_util import make_drafter, make_target
+from tests.engine_util import load_pair, make_drafter, make_target
 
 CPU = EngineSetup("cpu", "torch", False, False, [1, 2, 4])  # rounds padded as under graphs
 MARGIN = 2.0  # the activations' bound is at most this many times the measured peak
@@ -65,12 +64,6 @@ def allocator(fn):
     return result, live, peak
 
 
-def load_pair(job):
-    target, drafter = load_model(job.model.target), load_model(job.model.drafter)
-    attach_drafter(target, drafter)
-    return target, drafter
-
-
 def cpu_engine(job, target, drafter) -> Engine:
     return Engine(target, drafter, page_size=job.engine.page_size,
                   max_num_batched_tokens=job.engine.max_num_batched_tokens, device="cpu", attention=TORCH,
@@ -104,7 +97,7 @@ def test_caches_and_state_are_the_bytes_the_engine_allocates(jobs, family, tp, f
                                                                                   "repetition_penalty": 1.1})})
     plan = plan_job(job, tmp_path, 80 * GB, tp=tp, setup=CPU)
     monkeypatch.setattr(parallel, "world_size", lambda: tp)
-    target, drafter = load_pair(job)
+    target, drafter = load_pair(Path(job.model.target), Path(job.model.drafter))
     engine = cpu_engine(job, target, drafter)
     held = previous = 0
     for need in plan.buckets:
@@ -134,7 +127,7 @@ def test_activations_bound_a_real_run_within_a_margin(jobs, family, sampled, tmp
     if sampled:
         job = job.model_copy(update={"sampling": job.sampling.model_copy(update={"temperature": 1.0})})
     plan = plan_job(job, tmp_path, 80 * GB, setup=CPU)
-    target, drafter = load_pair(job)
+    target, drafter = load_pair(Path(job.model.target), Path(job.model.drafter))
     need, bucket = plan.buckets[0], plan_buckets(job)[0]
     engine = cpu_engine(job, target, drafter)
     engine.allocate(bucket)  # the bucket's caches and state, which generate keeps: only activations are measured

@@ -238,13 +238,19 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> nn.Module:
+def build_model(path: str | Path, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+    """The checkpoint's model from its config.json, its weights not read (on the meta device: what
+    it would hold, sizing.py)."""
     config = load_config(path)
     quant.check_config(config)
     # Build parameters directly in their final dtype and device, so a large model never exists
     # as a full fp32 copy. No blanket .to(dtype) afterwards: it would also round float32
     # buffers such as RoPE's inv_freq down to bf16.
     with torch.device(device), default_dtype(dtype):
-        model = model_class(config)(config)
+        return model_class(config)(config)
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> nn.Module:
+    model = build_model(path, dtype, device)
     load_weights(model, path)
     return model.eval()
