@@ -13,6 +13,7 @@
 #   qwen        the Qwen3 tables (benchmarks/gpu_check.py, torch and flashinfer backends)
 #   kimi_torch  the Kimi-K3 table on the torch backend
 #   tp2         TP2 over NCCL == TP1 (needs two GPUs; skipped with one)
+#   schedule    the speculation schedule's round costs for the Kimi-K3 pair at TP8 widths (a list of its own)
 # Stages run in order of evidence: the torch backend on the GPU first (it shares the CPU's code,
 # so a failure there is the GPU's), then flashinfer, the tables last. Each prints one JSON line
 # (its pass criterion, rc, seconds) and the tail of its log; logs are in OUT_DIR.
@@ -47,7 +48,7 @@ add install 20 - "the carried wheels install into $SITE, nothing of the image re
    && mkdir -p $SITE/flashinfer/data/aot && cp -r .flashinfer_aot/*/ $SITE/flashinfer/data/aot/"
 add preflight 30 - "a GPU, CUDA_HOME with nvcc, libcudart; every flashinfer module loads prebuilt, JIT disabled" \
   "$PY benchmarks/gpu_preflight.py ${PREFLIGHT_ARGS:-}; rc=\$?; $PY benchmarks/prebuild_flashinfer.py check && exit \$rc"
-add "&kimi_checkpoints" 200 kimi,kimi_torch "the Kimi-K3 pair's checkpoints written" \
+add "&kimi_checkpoints" 200 kimi,kimi_torch,schedule "the Kimi-K3 pair's checkpoints written" \
   "$PY benchmarks/kimi_gpu_check.py --dir /tmp/kimi_pair --make-only"
 add torch_qwen 60 core "Qwen3 pair, torch backend: GPU tokens == CPU tokens; graphs == eager, greedy and sampled" \
   "$GPU_TEST -k 'torch_backend'"
@@ -65,6 +66,8 @@ add table_flashinfer 60 qwen "Qwen3 table, flashinfer backend" \
   "FLASHINFER_DISABLE_JIT=1 $PY benchmarks/gpu_check.py --backend flashinfer --out $OUT/table_flashinfer.json"
 add kimi_torch 150 kimi_torch "Kimi-K3 at TP8 widths, torch backend: as kimi_flashinfer" \
   "$PY benchmarks/kimi_gpu_check.py --backend torch --dir /tmp/kimi_pair --out $OUT/kimi_torch.json"
+add kimi_schedule 200 schedule "Kimi-K3 at TP8 widths, flashinfer, graphs: a round's ms at batch 1/4/16/64 for k = 0..7 drafts verified; the k auto picks at the card's acceptance" \
+  "FLASHINFER_DISABLE_JIT=1 $PY benchmarks/kimi_gpu_check.py --schedule --backend flashinfer --dir /tmp/kimi_pair --out $OUT/kimi_schedule.json"
 add tp2 120 tp2 "TP2 over NCCL: the same tokens and accepted drafts as TP1, greedy and sampled, graphs on" \
   "$GPU_TEST -k tp2"
 

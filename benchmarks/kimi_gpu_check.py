@@ -11,11 +11,17 @@ is its cost, not a speed-up. Prints, for one backend:
   round must read (resident weights but the embedding, each sequence's latent rows and KDA
   states) over the copy bandwidth measured here.
 
+`--schedule` prints instead the speculation schedule's cost table (engine/schedule.py): a round's
+time under CUDA graphs at batch 1, 4, 16 and 64 for each number of verified drafts k = 0..7, as
+an auto bucket times it, and for the model card's acceptance lengths (5.9 GSM8K, 4.6 MATH-500,
+2.8 AIME; each drafted position accepted alike) the k auto would pick and its tokens/s against
+k = 0 and k = 7: where on this GPU the crossover lies, at one TP8 rank's widths.
+
 `--small` runs the tiny pair instead (and on a CPU, without graphs): a check of the script itself.
 `--dir` keeps the checkpoints for the next run (`--make-only`: write them and stop; the GPU check
 writes them while its other stages run).
 
-python benchmarks/kimi_gpu_check.py [--backend torch|flashinfer] [--small] [--dir D [--make-only]] [--out F]
+python benchmarks/kimi_gpu_check.py [--backend torch|flashinfer] [--small] [--schedule] [--dir D [--make-only]] [--out F]
 """
 
 from __future__ import annotations
@@ -129,6 +135,52 @@ def floor_bytes(target, drafter, batch: int, context: int) -> int:
     return weights + batch * per_seq
 
 
+CARD = {"GSM8K": 5.9, "MATH-500": 4.6, "AIME": 2.8}  # acc_len on the model card (k = 7)
+
+
+def rate_for(acc_len: float, drafts: int = 7) -> float:
+    """The per-position acceptance p with 1 + p + ... + p^drafts = acc_len (bisection)."""
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        p = (low + high) / 2
+        low, high = (p, high) if sum(p ** j for j in range(drafts + 1)) < acc_len else (low, p)
+    return (low + high) / 2
+
+
+def schedule_table(target, drafter, kw: dict, vocab: int, cuda: bool) -> dict:
+    """The auto bucket's cost table at batch 1, 4, 16, 64, and what it implies at the card's acceptance."""
+    sizes = [1, 4, 16, 64]
+    engine = Engine(target, drafter, cuda_graphs=cuda, capture_sizes=sizes if cuda else None, **kw)
+    reqs = [Request((str(i), 0), p, SamplingParams(max_new_tokens=4)) for i, p in enumerate(prompts(4, vocab, 64))]
+    list(engine.generate(reqs, Bucket(0, "auto", 2048, max(sizes), "auto", None)))  # times the costs
+    schedule = engine.schedules["auto"]
+    costs = {size: [schedule.costs[size][k] for k in range(schedule.block)] for size in schedule.sizes}
+    out = {"ms_per_round": {s: [round(1e3 * c, 3) for c in row] for s, row in costs.items()}, "card": {}}
+    for name, acc_len in CARD.items():
+        p = rate_for(acc_len)
+        tokens = [sum(p ** j for j in range(k + 1)) for k in range(schedule.block)]
+        per_size = {}
+        for size, row in costs.items():
+            rate = [size * t / c for t, c in zip(tokens, row)]
+            best = max(range(len(rate)), key=rate.__getitem__)
+            per_size[size] = {"best k": best, "vs k=0": rate[best] / rate[0], "vs k=7": rate[best] / rate[-1]}
+        out["card"][name] = per_size
+    return out
+
+
+def print_schedule(table: dict) -> None:
+    ms = table["ms_per_round"]
+    print("\n| batch | " + " | ".join(f"k={k} ms" for k in range(len(next(iter(ms.values()))))) + " |")
+    print("|---|" + "---|" * len(next(iter(ms.values()))))
+    for size, row in ms.items():
+        print(f"| {size} | " + " | ".join(f"{c:.2f}" for c in row) + " |")
+    print("\n| acceptance (card) | " + " | ".join(f"batch {s}: best k, vs k=0, vs k=7" for s in ms) + " |")
+    print("|---|" + "---|" * len(ms))
+    for name, per_size in table["card"].items():
+        print(f"| {name} {CARD[name]} | " + " | ".join(
+            f"{v['best k']}, {v['vs k=0']:.2f}x, {v['vs k=7']:.2f}x" for v in per_size.values()) + " |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--backend", default="torch", choices=["torch", "flashinfer"])
@@ -136,6 +188,7 @@ def main() -> None:
     ap.add_argument("--dir", help="where the pair's checkpoints are (made there if absent; default: a new "
                     "temporary directory)")
     ap.add_argument("--make-only", action="store_true", help="write the checkpoints to --dir and stop")
+    ap.add_argument("--schedule", action="store_true", help="only the speculation schedule's cost table")
     ap.add_argument("--out")
     a = ap.parse_args()
     cuda = torch.cuda.is_available()
@@ -158,6 +211,18 @@ def main() -> None:
     target, drafter = load_pair(dirs, dtype, device)
     vocab = target.vocab_size
     ids = torch.tensor(prompts(1, vocab, 64)[0])
+    if a.schedule:
+        attention = None
+        if a.backend == "flashinfer":
+            from dflash_batch.backends.flashinfer_attention import FlashInferAttention
+
+            attention = FlashInferAttention(device)
+        kw = dict(device=device, dtype=dtype, **({"attention": attention} if attention else {}))
+        table["schedule"] = schedule_table(target, drafter, kw, vocab, cuda)
+        print_schedule(table["schedule"])
+        if a.out:
+            json.dump(table, open(a.out, "w"), indent=1)
+        return
 
     def prefill_logits(model, on: str) -> torch.Tensor:
         model.allocate_cache(128, model.embed_tokens.weight.dtype, on)

@@ -124,6 +124,12 @@ def resolve_engine(job: Job, cuda: bool | None = None, flashinfer: bool | None =
         "it needs a CUDA device and this host has none" if not cuda else
         "flashinfer is not installed (pip install flashinfer-python)" if not flashinfer else
         _why_not_flashinfer(job, target_ckpt, drafter_ckpt))
+    for b in job.resolved_buckets():
+        drafts = getattr(b.speculation, "drafts", None)
+        block = b.block_size or (drafter_ckpt.block if drafter_ckpt else 1)
+        if drafts is not None and drafts >= block:
+            raise JobError(f"bucket {b.max_tokens}: speculation drafts {drafts} must be below the block "
+                           f"({block}: the anchor and {block - 1} drafts)")
     if e.backend == "flashinfer" and why_not_flashinfer:
         raise JobError(f"engine.backend: flashinfer cannot run here: {why_not_flashinfer}")
     backend = "flashinfer" if e.backend != "torch" and why_not_flashinfer is None else "torch"

@@ -173,13 +173,20 @@ class EngineSpec(_Strict):
         return value
 
 
+class PinnedDrafts(_Strict):
+    drafts: int = Field(ge=0, le=63, description="Drafts every round verifies (0: none, the drafter's "
+                        "context kept; the block's drafts at most): the drafter still proposes its whole block.")
+
+
 class BucketSpec(_Strict):
     max_tokens: int = Field(ge=1, le=MAX_CONTEXT, description="Upper edge: prompt + max_new_tokens.")
     max_num_seqs: int | None = Field(None, ge=1, description="Default: engine.max_num_seqs.")
-    speculation: bool | Literal["auto"] = Field(
-        True, description="Use the drafter in this bucket (if one is configured). auto: use it until its "
-        "acceptance length falls below engine.auto_speculation.min_acc_len, then decode target-only for the "
-        "rest of the run (needs model.drafter).")
+    speculation: bool | Literal["auto"] | PinnedDrafts = Field(
+        True, description="Use the drafter in this bucket (if one is configured), verifying its whole block. "
+        "auto: verify, at each batch size, the number of drafts that yields the most tokens per second by "
+        "the round costs timed on this device and the acceptance seen so far; turn the drafter off when "
+        "that is none at any batch size or the acceptance length falls below "
+        "engine.auto_speculation.min_acc_len (needs model.drafter). {drafts: K}: verify K drafts a round.")
     block_size: int | None = Field(None, ge=2, le=64, description="Verify width (anchor + drafts); "
                                    "default: the drafter's.")
 
@@ -343,6 +350,14 @@ class Job(_Strict):
         auto = [b.max_tokens for b in self.buckets if b.speculation == "auto"]
         if auto and not self.model.drafter:
             raise ValueError(f"buckets {auto} have speculation: auto, which needs model.drafter")
+        for b in self.buckets:
+            if isinstance(b.speculation, PinnedDrafts):
+                if not self.model.drafter:
+                    raise ValueError(f"bucket {b.max_tokens} has speculation: {{drafts: {b.speculation.drafts}}}, "
+                                     "which needs model.drafter")
+                if b.block_size is not None and b.speculation.drafts >= b.block_size:
+                    raise ValueError(f"bucket {b.max_tokens}: speculation drafts {b.speculation.drafts} must be "
+                                     f"below its block_size {b.block_size} (a block holds block_size - 1 drafts)")
         if self.engine.auto_speculation is not None and not auto:
             raise ValueError("engine.auto_speculation is set but no bucket has speculation: auto; remove it")
         return self

@@ -113,6 +113,16 @@ def any_rank(flag: bool) -> bool:
     return bool(t.item())
 
 
+def agreed(value: int) -> int:
+    """Rank 0's value on every rank (a decision each rank could make differently: one timed
+    on its own clock)."""
+    if world_size() == 1:
+        return value
+    t = torch.tensor([value], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.broadcast(t, 0)
+    return int(t.item())
+
+
 def barrier() -> None:
     if world_size() > 1:
         dist.barrier()

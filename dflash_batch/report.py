@@ -18,6 +18,7 @@ import re
 from pathlib import Path
 
 import numpy as np
+import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -149,7 +150,37 @@ def build_report(out_dir: Path, group_by: str | None = None, answer: str | None 
     groups = {k: v.summary(answer) for k, v in sorted(totals["groups"].items())}
     buckets = {k: v.summary(answer) for k, v in sorted(totals["buckets"].items(), key=lambda kv: _edge(kv[0]))}
     return {"group_by": group_by, "answer": answer, "match": match,
-            "overall": totals["overall"]["all"].summary(answer), "groups": groups, "buckets": buckets}
+            "overall": totals["overall"]["all"].summary(answer), "groups": groups, "buckets": buckets,
+            "schedule": _schedules(out_dir)}
+
+
+def _schedules(out_dir: Path) -> dict[str, dict]:
+    """Each shard's speculation schedule by bucket, as its stats keep it ("bucket, shard i")."""
+    out = {}
+    for path in sorted((out_dir / "stats").glob("shard-*.json")):
+        record = orjson.loads(path.read_bytes())
+        for bucket, schedule in (record.get("schedule") or {}).items():
+            out[f"{bucket}, shard {record['shard']}"] = schedule
+    return out
+
+
+def _schedule_lines(name: str, s: dict) -> list[str]:
+    """One bucket's schedule: acceptance by position, and by batch size the cost of a round at
+    each k and the rounds run at it."""
+    block = s["block_size"]
+    lines = [f"### {name} ({s['mode']})", "",
+             "| | " + " | ".join(f"k={k}" for k in range(block)) + " |", "|---|" + "---|" * block,
+             "| P(draft k accepted \\| k-1 were) | – | "
+             + " | ".join(_fmt(a, 3) for a in s["acceptance_by_position"]) + " |",
+             "| expected tokens a round | " + " | ".join(_fmt(e) for e in s["expected_tokens"]) + " |"]
+    for size in sorted(set(s["cost_ms"]) | set(s["rounds_by_k"]), key=int):
+        costs = s["cost_ms"].get(size)
+        if costs:
+            lines.append(f"| batch {size}: ms a round | " + " | ".join(_fmt(c) for c in costs) + " |")
+        rounds = s["rounds_by_k"].get(size, {})
+        lines.append(f"| batch {size}: rounds run | " + " | ".join(str(rounds.get(str(k), 0)) for k in range(block))
+                     + " |")
+    return lines + [""]
 
 
 def _edge(bucket: str) -> int:
@@ -191,6 +222,10 @@ def to_markdown(report: dict) -> str:
                   f"{_fmt(s['proposal_acceptance'], 3)} | {s['right']}/{s['scored']} | {s['speculation']} |"
                   for name, s in report["buckets"].items()]
         lines.append("")
+    if report.get("schedule"):
+        lines += ["## Speculation schedule (drafts verified a round, k)", ""]
+        for name, s in report["schedule"].items():
+            lines += _schedule_lines(name, s)
     if overall["rounds"]:
         width = len(overall["histogram"])
         lines += ["## Per-position acceptance (pooled)", "",

@@ -238,6 +238,9 @@ class _Run:
                     post = {"tok/s": f"{tokens / (now - t0):.0f}"}
                     if rounds:
                         post["acc_len"] = f"{1 + accepted / rounds:.2f}"
+                    schedule = getattr(self.engine, "schedules", {}).get(bucket.name)
+                    if schedule is not None and schedule.k is not None and not schedule.off:
+                        post["k"] = schedule.k  # drafts the last round verified
                     bar.set_postfix(post, refresh=False)
         finally:
             bar.close()
@@ -343,6 +346,11 @@ def open_tokenizer(job: Job) -> tuple[Tokenizer, Delimiters | None]:
     return tokenizer, find_delimiters(tokenizer, job.output.reasoning_delimiters, where) if split else None
 
 
+def schedules(engine: object) -> dict[str, dict]:
+    """The speculation schedules an engine kept, by bucket (engines without them: none)."""
+    return {name: s.stats() for name, s in getattr(engine, "schedules", {}).items()}
+
+
 def run_job(job: Job, engine_factory: EngineFactory, shard: Shard, progress: bool = True,
             job_file: str | None = None, on_row: Callable[[dict], None] | None = None) -> RunResult:
     """Run this shard of the job. Everything that can make the job fail as a whole (inputs,
@@ -386,8 +394,8 @@ def run_job(job: Job, engine_factory: EngineFactory, shard: Shard, progress: boo
                     run.stop.set()
                 with fewer_gc_passes():
                     written = run.run()
-                stats = (write_shard_stats(out_dir, shard.index, complete=True, inputs=inputs)
-                         if parallel.rank() == 0 else {})
+                stats = (write_shard_stats(out_dir, shard.index, complete=True, inputs=inputs,
+                                           schedule=schedules(engine)) if parallel.rank() == 0 else {})
             except BaseException as e:
                 # Stats are recomputed from the committed parts; a failure writing them now (the
                 # disk that stopped the run may still be full) must not hide why the run stopped.
@@ -395,7 +403,7 @@ def run_job(job: Job, engine_factory: EngineFactory, shard: Shard, progress: boo
                 if parallel.rank() == 0 and run is not None:
                     with contextlib.suppress(Exception):
                         write_shard_stats(out_dir, shard.index, complete=False, inputs=inputs,
-                                          count=not isinstance(e, Preempted))
+                                          count=not isinstance(e, Preempted), schedule=schedules(run.engine))
                 tally.end("stopped" if isinstance(e, Preempted) else "failed", run.committed() if run else 0)
                 if isinstance(e, Preempted) and e.together:
                     parallel.barrier()  # no rank exits before rank 0 committed: srun stops a step at its first exit

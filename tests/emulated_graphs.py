@@ -172,10 +172,11 @@ def every_expert(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, widt
 
 
 class EmulatedGraphs(RoundGraphs):
-    def _capture(self, size: int, greedy: bool) -> None:
-        self.step.attention.plan_round(self.batch, size, {"draft": [], "verify": []}, graph=True)
+    def _capture(self, size: int, greedy: bool, width: int) -> None:
+        self.step.attention.plan_round(self.batch, size, {"draft": [], "verify": []}, graph=True,
+                                       widths={"verify": width})
         for _ in range(2):  # warm-up, as graphs.py does
-            self.step(self.batch, size, greedy, self.max_kv)
+            self.step(self.batch, size, greedy, self.max_kv, width)
         graph = Capture()
         # The backend takes its graph wrappers; the CPU's MoE its capturable form.
         saved = flashinfer_attention.capturing, kernels.moe_mxfp4.routed_sum, kimi_k3.routed_sum
@@ -183,10 +184,10 @@ class EmulatedGraphs(RoundGraphs):
         kernels.moe_mxfp4.routed_sum = kimi_k3.routed_sum = every_expert
         try:
             with graph.record():
-                self.step(self.batch, size, greedy, self.max_kv)
+                self.step(self.batch, size, greedy, self.max_kv, width)
         finally:
             flashinfer_attention.capturing, kernels.moe_mxfp4.routed_sum, kimi_k3.routed_sum = saved
-        self.graphs[(size, greedy)] = graph
+        self.graphs[(size, greedy, width)] = graph
 
-    def replay(self, size: int, greedy: bool) -> None:
-        self.graphs[(size, greedy)].replay()
+    def replay(self, size: int, greedy: bool, width: int | None = None) -> None:
+        self.graphs[(size, greedy, width or self.batch.block)].replay()

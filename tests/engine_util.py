@@ -79,8 +79,8 @@ def load_pair(target_dir: Path, drafter_dir: Path | None, dtype: torch.dtype = t
 
 
 def bucket(block_size: int | None = None, max_num_seqs: int = 16, max_tokens: int = 1024,
-           speculation: bool = True) -> Bucket:
-    return Bucket(0, f"0-{max_tokens}", max_tokens, max_num_seqs, speculation, block_size)
+           speculation: bool | str = True, drafts: int | None = None) -> Bucket:
+    return Bucket(0, f"0-{max_tokens}", max_tokens, max_num_seqs, speculation, block_size, drafts)
 
 
 def run(engine: Engine, prompts: list[list[int]], bucket_: Bucket, **params) -> list[Completion]:

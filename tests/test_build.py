@@ -125,3 +125,16 @@ def test_explicit_off_switches(checkpoints):
 def test_missing_checkpoint_is_named(checkpoints):
     with pytest.raises(JobError, match=r"model\.target .*nowhere.*no config\.json"):
         resolve_engine(job(checkpoints, target="nowhere"), **CPU)
+
+
+@pytest.mark.parametrize("drafts, refused", [(7, False), (8, True)])
+def test_pinned_drafts_past_the_drafters_block_are_refused_before_loading(checkpoints, drafts, refused):
+    """The drafter's block (8, from its config.json) holds 7 drafts: {drafts: 8} cannot run."""
+    doc = job(checkpoints).model_dump(mode="json", exclude_none=True)
+    doc["buckets"] = [{"max_tokens": 1024, "speculation": {"drafts": drafts}}]
+    pinned = parse_job(doc)
+    if refused:
+        with pytest.raises(JobError, match=r"bucket 1024: speculation drafts 8 must be below the block \(8"):
+            resolve_engine(pinned, **CPU)
+    else:
+        resolve_engine(pinned, **CPU)

@@ -61,9 +61,9 @@ def test_a_replay_launches_recorded_kernels_again():
 class CountedGraphs(EmulatedGraphs):
     replays = 0
 
-    def replay(self, size: int, greedy: bool) -> None:
+    def replay(self, size: int, greedy: bool, width: int | None = None) -> None:
         CountedGraphs.replays += 1
-        super().replay(size, greedy)
+        super().replay(size, greedy, width)
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def qwen3(tmp_path_factory):
     return load_pair(make_target(d / "target"), d / "drafter", F64)
 
 
-def outcomes(engine: Engine, sampling: list[dict]) -> dict:
+def outcomes(engine: Engine, sampling: list[dict], speculation: bool | str = True) -> dict:
     """Two buckets (the second's batch holds from its start what the first's requests grew)."""
     got = {}
     for seed in (1, 2):
@@ -81,7 +81,7 @@ def outcomes(engine: Engine, sampling: list[dict]) -> dict:
         reqs = [Request((str(i), seed), p, SamplingParams(max_new_tokens=9 + 2 * i, seed=i, **sampling[i % len(sampling)]))
                 for i, p in enumerate(prompts)]
         got |= {c.key: (c.token_ids, c.spec.per_round, c.logprobs and c.logprobs.token)
-                for c in engine.generate(iter(reqs), bucket(max_num_seqs=4))}
+                for c in engine.generate(iter(reqs), bucket(max_num_seqs=4, speculation=speculation))}
     return got
 
 
@@ -97,6 +97,23 @@ def test_qwen3_graph_path_equals_eager(qwen3, monkeypatch, sampling):
     assert got == want
     assert CountedGraphs.replays > 10
     assert any(n for _, rounds, _ in want.values() for n in rounds), "no draft accepted"
+
+
+CYCLE = [7, 2, 0, 5, 1, 3, 6, 4]  # k of round i
+
+
+@pytest.mark.parametrize("sampling", [[{}], [SAMPLED, {}]], ids=["greedy", "sampled"])
+def test_every_verify_width_replays_its_own_graph(qwen3, monkeypatch, sampling):
+    """An auto bucket whose k changes every round (engine/schedule.py): each width's graph ==
+    eager at that width, round for round (a replay at the wrong width would keep drafts past k)."""
+    monkeypatch.setattr(engine_module.Schedule, "drafts", lambda self, n: CYCLE[self.total_rounds % 8])
+    monkeypatch.setattr(Engine, "_why_stop", lambda *args: None)
+    want = outcomes(Engine(*qwen3, dtype=F64), sampling, "auto")
+    monkeypatch.setattr(engine_module, "RoundGraphs", CountedGraphs)
+    monkeypatch.setattr(CountedGraphs, "replays", 0)
+    got = outcomes(Engine(*qwen3, dtype=F64, cuda_graphs=True, capture_sizes=[1, 2, 4]), sampling, "auto")
+    assert got == want
+    assert CountedGraphs.replays > 10
 
 
 def test_a_batch_reshaped_mid_bucket_stops_replaying(qwen3, monkeypatch):

@@ -101,27 +101,32 @@ def exact_joint(target_dir) -> torch.Tensor:
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-def sample_tuples(engine: Engine, speculation: bool) -> tuple[Counter, list[int]]:
+def sample_tuples(engine: Engine, speculation: bool, drafts: int | None = None) -> tuple[Counter, list[int]]:
     params = [SamplingParams(temperature=1.0, top_k=TOP_K, top_p=TOP_P, min_p=MIN_P, max_new_tokens=NEW, seed=s)
               for s in range(SAMPLES)]
     reqs = (Request((str(i), 0), PROMPT, p) for i, p in enumerate(params))
     counts, per_round = Counter(), []
     # Blocks of 4 cover every acceptance 3 new tokens allow, at half the verify rows of 8.
-    spec_bucket = bucket(block_size=4, max_num_seqs=256, max_tokens=16, speculation=speculation)
+    spec_bucket = bucket(block_size=4, max_num_seqs=256, max_tokens=16, speculation=speculation, drafts=drafts)
     for c in engine.generate(reqs, spec_bucket):
         counts[tuple(c.token_ids)] += 1
         per_round += c.spec.per_round if c.spec else []
     return counts, per_round
 
 
-@pytest.mark.parametrize("speculation", [True, False], ids=["spec", "target_only"])
-def test_sampled_tokens_follow_target_distribution(models, speculation):
+@pytest.mark.parametrize("speculation, drafts", [(True, None), (True, 0), (True, 1), (False, None)],
+                         ids=["spec", "spec_k0", "spec_k1", "target_only"])
+def test_sampled_tokens_follow_target_distribution(models, speculation, drafts):
+    """spec_k0, spec_k1: rounds verify none or 1 of the block's 3 drafts (engine/schedule.py;
+    with 2 tokens after the first, a round can keep at most 1 draft anyway)."""
     joint = exact_joint(models["soft"]).flatten()
     # The test means something only if the law is spread out: several likely outcomes per step.
     assert (joint > 0.01).sum() >= 20, joint.sort(descending=True).values[:20]
     engine = Engine(*load_pair(models["soft"], models["v2"]))
-    counts, per_round = sample_tuples(engine, speculation)
-    if speculation:
+    counts, per_round = sample_tuples(engine, speculation, drafts)
+    if drafts is not None:
+        assert max(per_round) == drafts
+    if speculation and drafts != 0:
         # Drafts accepted: the accept rule (not only the bonus token) shaped the sample.
         assert sum(per_round) > SAMPLES // 20, Counter(per_round)
 

@@ -46,13 +46,14 @@ class CountedGraphs(EmulatedGraphs):
     what each replay's batch held: (greedy, logit bias, penalty counts, logprobs)."""
     replays: list[tuple[bool, bool, bool, bool]] = []
 
-    def replay(self, size: int, greedy: bool) -> None:
+    def replay(self, size: int, greedy: bool, width: int | None = None) -> None:
         b = self.batch
         self.replays.append((greedy, b.bias is not None, b.counts is not None, b.token_logprob is not None))
-        super().replay(size, greedy)
+        super().replay(size, greedy, width)
 
 
-def captured_rounds(monkeypatch, target, drafter, vocab: int, sampling: dict, **engine) -> set[tuple]:
+def captured_rounds(monkeypatch, target, drafter, vocab: int, sampling: dict, drafts: int | None = None,
+                    **engine) -> set[tuple]:
     """Buckets through the engine's graph path, captures guarded (sampled: a second bucket whose
     batch holds from its start what the first one's requests grew: bias, counts, logprobs); what
     the replays' batches held."""
@@ -65,7 +66,7 @@ def captured_rounds(monkeypatch, target, drafter, vocab: int, sampling: dict, **
     for seed in (2, 3) if sampling else (2,):
         reqs = [Request((str(i), seed), p, SamplingParams(max_new_tokens=5, seed=i, **sampling))
                 for i, p in enumerate(random_prompts([3, 20, 9, 5], vocab=vocab, seed=seed))]
-        done = list(e.generate(iter(reqs), bucket(max_num_seqs=4)))
+        done = list(e.generate(iter(reqs), bucket(max_num_seqs=4, drafts=drafts)))
         assert len(done) == 4 and all(c.finish_reason == "length" for c in done), [c.error for c in done]
     return set(CountedGraphs.replays)
 
@@ -94,6 +95,15 @@ def test_qwen3_round(tmp_path, monkeypatch, gpu_paths, sampling):
     make_drafter(tmp_path / "drafter", 2, sliding=True, window=6)
     target, drafter = load_pair(make_target(tmp_path / "target"), tmp_path / "drafter", torch.float32)
     assert WANT[sampling] in captured_rounds(monkeypatch, target, drafter, 8, SAMPLING[sampling])
+
+
+@pytest.mark.parametrize("drafts", [0, 3])
+def test_a_round_verifying_fewer_drafts(tmp_path, monkeypatch, gpu_paths, drafts):
+    """Widths below the block (engine/schedule.py): k = 3 of 7 (the drafts past it blanked, the
+    verify's own positions and slots), and k = 0 (no draft, the drafter's context kept)."""
+    make_drafter(tmp_path / "drafter", 2, sliding=True, window=6)
+    target, drafter = load_pair(make_target(tmp_path / "target"), tmp_path / "drafter", torch.float32)
+    assert (True, False, False, False) in captured_rounds(monkeypatch, target, drafter, 8, {}, drafts=drafts)
 
 
 @pytest.mark.parametrize("sampling", SAMPLING)

@@ -141,14 +141,16 @@ class FlashInferAttention:
         self._set(meta.name, _Layout(q_lens, meta.kv_lens.tolist(), meta.block_tables.tolist(), rows,
                                      meta.page_size, self._next()), None)
 
-    def plan_round(self, batch, n: int, kv_lens: dict[str, list[int]], graph: bool) -> None:
+    def plan_round(self, batch, n: int, kv_lens: dict[str, list[int]], graph: bool,
+                   widths: dict[str, int] | None = None) -> None:
         """A round's forwards over rows 0..n-1 of `batch`: rows past the lists are padding, given
         the scratch page (flashinfer needs every sequence to have keys)."""
-        block, ps = batch.block, batch.page_size
+        ps = batch.page_size
         self.scratch_page = batch.scratch_page
         if batch.ring is not None:
             self._set_ring(batch.ring.pages, batch.scratch_state)  # scratch_state: the rows that run sequences
         for name, lens in kv_lens.items():
+            block = (widths or {}).get(name, batch.block)  # query rows a sequence has in this forward
             pad = [block] * (n - len(lens))
             scratch = [batch.scratch_page] * -(-block // ps)
             tables = [batch.host_tables[r] or scratch for r in range(len(lens))] + [scratch] * len(pad)
@@ -158,7 +160,7 @@ class FlashInferAttention:
             # asynchronously; the previous round's read-back has synchronised, so that copy of
             # the last plan is done before this one overwrites the buffer.
             if graph:  # a replay calls no Python: plan its wrappers now (those of this batch's shape)
-                shape = (name, n, block, batch.tables.shape[1])
+                shape = (name, n, block, batch.tables.shape[1])  # _wrapper's key: q rows are the width
                 for key, entry in self.wrappers.items():
                     if key[:4] == shape:
                         self._plan(entry, name)

@@ -34,10 +34,12 @@ class AttentionBackend(Protocol):
     def plan(self, meta: AttnMeta) -> None:
         """Prepare a forward whose metadata was built on the host (prefill chunks)."""
 
-    def plan_round(self, batch: Any, n: int, kv_lens: dict[str, list[int]], graph: bool) -> None:
+    def plan_round(self, batch: Any, n: int, kv_lens: dict[str, list[int]], graph: bool,
+                   widths: dict[str, int] | None = None) -> None:
         """Prepare a round's forwards over rows 0..n-1 of a DecodeBatch: kv_lens[name] holds the
         key length of each row that runs a sequence ("draft", "verify"); the rows past it are
-        padding. `graph`: the round replays a CUDA graph captured at n rows."""
+        padding. `graph`: the round replays a CUDA graph captured at n rows. `widths[name]`: the
+        query rows a sequence has in that forward (a verify of fewer drafts), default the block."""
 
     def write(self, cache: torch.Tensor, meta: AttnMeta, values: torch.Tensor) -> None:
         """values [T, ...] of this forward's rows go to cache rows meta.slots (-1: skipped)."""

@@ -101,7 +101,8 @@ class TorchAttention:
     def plan(self, meta: AttnMeta) -> None:
         """Nothing to prepare: masks and key slots are computed on first use in each forward."""
 
-    def plan_round(self, batch, n: int, kv_lens: dict[str, list[int]], graph: bool) -> None:
+    def plan_round(self, batch, n: int, kv_lens: dict[str, list[int]], graph: bool,
+                   widths: dict[str, int] | None = None) -> None:
         """Nothing to prepare (see plan)."""
 
     def write(self, cache: torch.Tensor, meta: AttnMeta, values: torch.Tensor) -> None:

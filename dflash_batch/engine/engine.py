@@ -26,10 +26,11 @@ from dflash_batch.engine.graphs import RoundGraphs
 from dflash_batch.engine.queue import Queue
 from dflash_batch.engine.request import Completion, Logprobs, Request
 from dflash_batch.engine.round import ERROR, Round
+from dflash_batch.engine.schedule import Schedule
 from dflash_batch.engine.sampling import (add_bias_, choose_tokens, hold_stops_, log_probs, mask_disallowed_,
                                           penalize_)
 from dflash_batch.engine.sequence import Sequence
-from dflash_batch.engine.switch import AutoSpeculation
+from dflash_batch import parallel
 from dflash_batch.plan.buckets import Bucket
 from kernels.accept import STOP
 from kernels.sample import top1
@@ -67,7 +68,7 @@ class Engine:
                  capture_sizes: list[int] | None = None, cuda_graphs: bool = False, compile: bool = False,
                  share_prompts: bool = True, log: Callable[[str], None] | None = None,
                  auto_speculation: tuple[float, int] = (1.5, 1024)):
-        """`auto_speculation`: (min_acc_len, rounds) of buckets with speculation "auto" (switch.py)."""
+        """`auto_speculation`: (min_acc_len, rounds) of buckets with speculation "auto" (schedule.py)."""
         self.target, self.drafter = target, drafter
         self.vocab_size: int = target.vocab_size
         # Hybrid targets (KDA) keep per-sequence recurrent state that verify stages and commit picks.
@@ -90,7 +91,7 @@ class Engine:
         self.ring: Ring | None = None
         self.ring_caches: list[torch.Tensor] = []
         self.auto_speculation = auto_speculation
-        self.auto: dict[str, AutoSpeculation] = {}  # by bucket name: how each auto bucket fares
+        self.schedules: dict[str, Schedule] = {}  # by bucket name: drafts verified by batch size (schedule.py)
 
     # -- public --------------------------------------------------------------------------------
     def generate(self, requests: Iterable[Request], bucket: Bucket) -> Iterator[Completion]:
@@ -110,6 +111,7 @@ class Engine:
         self.ring_caches = [] if self.ring is None else [
             t for t in runtime_tensors([self.drafter]) if t.shape[0] == self.ring.slots(seqs, self.page_size)]
         batch.clear_all()  # a previous generate that was closed early may have left rows
+        schedule = self._schedule(bucket, block, batch, step, graphs) if block > 1 else None
         q = Queue(requests, seqs, self.budget)
         # inference_mode dispatches small ops faster; torch.compile wants plain no_grad tensors.
         with torch.no_grad() if self.compile else torch.inference_mode():
@@ -131,7 +133,7 @@ class Engine:
                     involved = [s for s in q.running if s is not None]
                     if not involved:
                         return
-                switch = False  # an auto bucket's acceptance fell: speculation stops after this step
+                switch = None  # why an auto bucket stops speculating after this step
                 try:
                     if q.prefilling:
                         finished = self._prefill(chunks, block, caches)
@@ -141,18 +143,28 @@ class Engine:
                             q.decode(seq, batch)
                         finished = [s for s in finished if s.finish_reason]
                     else:
-                        accepted = self._round(batch, q.running, step, graphs, block)
+                        size = self._padded(max(i for i, s in enumerate(q.running) if s is not None) + 1)
+                        k = block - 1 if schedule is None else schedule.drafts(size)
+                        if schedule is not None and schedule.pinned is None:
+                            k = parallel.agreed(k)  # each rank timed its own rounds
+                        started = time.perf_counter()
+                        accepted = self._round(batch, q.running, step, graphs, block, k + 1)
                         finished = [s for s in involved if s.finish_reason]
-                        switch = block > 1 and bucket.speculation == "auto" and self._auto(bucket).record(accepted)
+                        if schedule is not None:
+                            # A round cut by its sequence's end measures no acceptance.
+                            schedule.record(size, k, time.perf_counter() - started,
+                                            [a for a, seq in accepted if not seq.finish_reason])
+                            if schedule.pinned is None:
+                                switch = self._why_stop(schedule)
                 except Exception as error:  # noqa: BLE001 - any failure: decide what it costs
                     involved += [f for s in involved for f in s.followers]  # they wait on it
                     finished = self._recover(error, involved, q, batch, bucket)
                 for seq in finished:
                     q.release(seq, batch)
                     yield seq.completion(self.decode)
-                if switch and (one_row := self._stop_speculating(bucket, q, batch, pages_per_row)) is not None:
+                if switch and (one_row := self._stop_speculating(bucket, q, batch, pages_per_row, switch)) is not None:
                     batch, step, graphs = one_row
-                    block = 1
+                    block, schedule = 1, None
                     caches = slot_caches([self.target], batch)
 
     def _recover(self, error: Exception, involved: list[Sequence], q: Queue, batch: DecodeBatch,
@@ -239,21 +251,79 @@ class Engine:
         step = self.rounds[block]
         graphs = None
         if self.cuda_graphs:
-            graphs = RoundGraphs(step, batch, self.capture_sizes, pages_per_row * self.page_size)
+            graphs = RoundGraphs(step, batch, self.capture_sizes, pages_per_row * self.page_size,
+                                 self._widths(bucket, block))
         return batch, step, graphs
 
+    @staticmethod
+    def _widths(bucket: Bucket, block: int) -> list[int]:
+        """The verify widths a bucket's rounds run at (captured as graphs): any, under auto."""
+        if block == 1 or bucket.speculation == "auto":
+            return list(range(1, block + 1))
+        return [block if bucket.drafts is None else bucket.drafts + 1]
+
     def _block_size(self, bucket: Bucket) -> int:
-        if self.drafter is None or not bucket.speculation or bucket.speculation == "auto" and self._auto(bucket).off:
+        off = bucket.speculation == "auto" and bucket.name in self.schedules and self.schedules[bucket.name].off
+        if self.drafter is None or not bucket.speculation or off:
             return 1
         return bucket.block_size or self.drafter.block_size
 
-    def _auto(self, bucket: Bucket) -> AutoSpeculation:
-        if bucket.name not in self.auto:
-            self.auto[bucket.name] = AutoSpeculation(*self.auto_speculation)
-        return self.auto[bucket.name]
+    def _schedule(self, bucket: Bucket, block: int, batch: DecodeBatch, step: Round,
+                  graphs: RoundGraphs | None) -> Schedule:
+        """The bucket's schedule; an auto bucket's round costs are timed here the first time (on
+        padding rows: every row of the batch is padding now)."""
+        pinned = None if bucket.speculation == "auto" else block - 1 if bucket.drafts is None else bucket.drafts
+        if pinned is not None and not 0 <= pinned < block:
+            raise ValueError(f"bucket {bucket.name}: speculation drafts {pinned} is not in 0..{block - 1} "
+                             f"(the block has {block - 1} drafts)")
+        schedule = self.schedules.get(bucket.name)
+        if schedule is None or (schedule.block, schedule.pinned) != (block, pinned):
+            sizes = self._sizes(bucket.max_num_seqs)
+            schedule = self.schedules[bucket.name] = Schedule(block, sizes, self.auto_speculation[1], pinned,
+                                                                 self.auto_speculation[0])
+        if schedule.pinned is None and not schedule.costs:
+            with torch.no_grad() if self.compile else torch.inference_mode():
+                schedule.time_rounds(lambda size, width: self._time_round(batch, step, graphs, size, width))
+            self.log(f"bucket {bucket.name}: round costs timed at batch sizes {schedule.sizes}, "
+                     f"{block} verify widths each")
+        return schedule
 
-    def _stop_speculating(self, bucket: Bucket, q: Queue, batch: DecodeBatch,
-                          pages_per_row: int) -> tuple[DecodeBatch, Round, RoundGraphs | None] | None:
+    def _sizes(self, seqs: int) -> list[int]:
+        """The batch sizes rounds run at, as a cost table keeps them: the capture sizes, else powers
+        of two and the bucket's max_num_seqs."""
+        if self.capture_sizes:
+            return sorted({self._padded(s) for s in self.capture_sizes if s <= seqs} | {self._padded(seqs)})
+        return sorted({self._padded(min(2 ** i, seqs)) for i in range(seqs.bit_length() + 1)})
+
+    def _time_round(self, batch: DecodeBatch, step: Round, graphs: RoundGraphs | None, size: int,
+                    width: int) -> float:
+        """Seconds of one round of `size` padding rows verifying `width` rows a sequence (greedy),
+        replayed where it is captured."""
+        self.attention.plan_round(batch, size, {"draft": [], "verify": []}, graphs is not None, {"verify": width})
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        sync()
+        started = time.perf_counter()
+        if graphs is not None and graphs.covers(size, width):
+            graphs.replay(size, True, width)
+        else:
+            step(batch, size, True, batch.block, width)
+        sync()
+        return time.perf_counter() - started
+
+    @staticmethod
+    def _why_stop(schedule: Schedule) -> str | None:
+        """Why an auto bucket stops speculating after this round (None: it goes on): the whole
+        block's acceptance length below the floor, or drafts that pay at no batch size."""
+        full = schedule.acceptance.expected_tokens(schedule.block - 1)
+        if schedule.below_floor():
+            return (f"acc_len {full:.2f} over the last {schedule.acceptance.samples} sequence-rounds < "
+                    f"{schedule.min_acc_len}")
+        if parallel.agreed(int(schedule.pays_nowhere())):  # each rank timed its own rounds
+            return f"the drafts pay at no batch size (acc_len {full:.2f} at the whole block, round costs timed here)"
+        return None
+
+    def _stop_speculating(self, bucket: Bucket, q: Queue, batch: DecodeBatch, pages_per_row: int,
+                          why: str) -> tuple[DecodeBatch, Round, RoundGraphs | None] | None:
         """An auto bucket's acceptance fell below its threshold: the sequences decoding go on
         target-only in the same rows (their pages and recurrent state, which B = 1 rounds read
         as they are), with the speculative rounds they ran counted; those prefilling or not yet
@@ -276,20 +346,17 @@ class Engine:
         except Exception as error:  # noqa: BLE001 - speculation goes on; nothing of a sequence changed
             if self.recurrent:  # whole again, if the shrink had begun
                 self.target.allocate_staging(batch.rows, batch.block, self.device)
-            auto = self._auto(bucket)
-            auto.restart()
+            self.schedules[bucket.name].restart()
             self.log(f"bucket {bucket.name}: speculation could not be turned off ({type(error).__name__}: "
-                     f"{error}); still speculating, trying again after {auto.rounds} more sequence-rounds")
+                     f"{error}); still speculating, trying again once the acceptance is measured again")
             return None
         for seq in q.prefilling + [f for s in q.prefilling for f in s.followers]:
             seq.spec = None
         for seq in running:
             if not seq.spec.rounds:
                 seq.spec = None
-        auto = self._auto(bucket)
-        auto.off = True
-        self.log(f"bucket {bucket.name}: speculation off (auto): acc_len {auto.acc_len:.2f} over the last "
-                 f"{len(auto.recent)} sequence-rounds < {auto.min_acc_len}; target-only from here")
+        self.schedules[bucket.name].off = True
+        self.log(f"bucket {bucket.name}: speculation off (auto): {why}; target-only from here")
         shape = (bucket.max_num_seqs, pages_per_row, 1)
         self.bucket_state = (shape, runtime_tensors([self.target]), one, self.rounds[1], graphs)
         self.ring, self.ring_caches = None, []
@@ -473,10 +540,10 @@ class Engine:
                              col([p.min_p for p in params], torch.float32))
 
     def _round(self, batch: DecodeBatch, running: list[Sequence | None], step: Round,
-               graphs: RoundGraphs | None, block: int) -> list[int]:
+               graphs: RoundGraphs | None, block: int, width: int) -> list[tuple[int, Sequence]]:
         """One round for rows 0..n-1, n past the last running sequence (rows without one are
-        padding); extends each sequence with what it emitted. Returns the drafts each
-        speculating sequence kept."""
+        padding), verifying `width` rows a sequence; extends each sequence with what it
+        emitted. Returns the drafts each speculating sequence kept, with it."""
         n = max(i for i, s in enumerate(running) if s is not None) + 1
         size = self._padded(n)
         greedy = all(s.plain_greedy for s in running[:n] if s is not None)
@@ -485,18 +552,18 @@ class Engine:
         # Key lengths for backends that plan on the host (round.py's prepare computes the same
         # on the device); a row without a sequence is padding.
         budgets = [s.params.max_new_tokens - len(s.tokens) if s is not None else 0 for s in running[:n]]
-        kv_lens = {"verify": [p + block for p in positions],
+        kv_lens = {"verify": [p + width for p in positions],
                    "draft": [p + min(block, b + 1) for p, b in zip(positions, budgets)]}
-        captured = graphs is not None and graphs.covers(size) and not constrained
-        self.attention.plan_round(batch, size, kv_lens, captured)
+        captured = graphs is not None and graphs.covers(size, width) and not constrained
+        self.attention.plan_round(batch, size, kv_lens, captured, {"verify": width})
         if captured:
-            graphs.replay(size, greedy)
+            graphs.replay(size, greedy, width)
         elif constrained:  # eager, in two halves: the grammars read the drafts in between
-            drafted = step.draft(batch, size, max(positions) + block)
+            drafted = step.draft(batch, size, max(positions) + block, width)
             self._grammar_masks(batch, running[:n], block)
             step.verify(batch, size, False, drafted, constrained=True)
         else:
-            step(batch, size, greedy, max(positions) + block)
+            step(batch, size, greedy, max(positions) + block, width)
         scored = any(s is not None and s.logprobs is not None for s in running[:n])
         if scored:
             logprobs = zip(batch.token_logprob[:n].tolist(), batch.top_logprob_ids[:n].tolist(),
@@ -526,7 +593,7 @@ class Engine:
             if seq.spec is not None and block > 1:
                 # Counted after a stop string's cut too: the round keeps only tokens up to it.
                 seq.spec.per_round.append(len(seq.tokens) - before - 1)
-                accepted.append(seq.spec.per_round[-1])
+                accepted.append((seq.spec.per_round[-1], seq))
         return accepted
 
     @staticmethod

@@ -18,6 +18,13 @@ prefill with its first token and is ready. Nothing in a round reads a tensor's v
 host or branches on one: it can be captured as one CUDA graph per batch size. Target-only
 decoding is the same round with B = 1 (no draft, no context).
 
+A round may verify fewer drafts than the block proposes (engine/schedule.py decides how many):
+with width W <= B the target runs [anchor, d_1..d_{W-1}] only, the drafts past them are
+blanked so none can be accepted, and the drafter's context is written for those W rows (all a
+next round can read: it starts at most W positions on). W = 1 runs no draft at all but keeps
+the drafter's context current. Each accepted token is still t_j = the target's choice at its
+position, so any width gives target-only output.
+
 Sampling is exact: t_j follows the target's filtered law with the coin of position P+j+1, and
 accepting d_{j+1} iff it equals t_j is the target-only rule for a deterministic proposal
 (accept with probability p(d), else sample p without d). Every emitted token at position x is
@@ -54,17 +61,19 @@ class Round:
         self.mask_id = self.drafter.mask_token_id if self.drafter is not None else 0
         self.step = torch.compile(self.run, dynamic=True) if compile else self.run
 
-    def __call__(self, batch: DecodeBatch, n: int, greedy: bool, max_kv: int) -> None:
+    def __call__(self, batch: DecodeBatch, n: int, greedy: bool, max_kv: int, width: int | None = None) -> None:
         """Decode one round for rows 0..n-1; the result lands in batch.out[:n]. `greedy`: every
-        row has temperature 0 (skips the sampler); `max_kv`: a host-side bound on key lengths."""
-        self.step(batch, n, greedy, max_kv)
+        row has temperature 0 (skips the sampler); `max_kv`: a host-side bound on key lengths;
+        `width`: rows verified a sequence (anchor + drafts), default the block."""
+        self.step(batch, n, greedy, max_kv, width or self.block)
 
-    def run(self, batch: DecodeBatch, n: int, greedy: bool, max_kv: int) -> None:
-        self.verify(batch, n, greedy, self.draft(batch, n, max_kv))
+    def run(self, batch: DecodeBatch, n: int, greedy: bool, max_kv: int, width: int) -> None:
+        self.verify(batch, n, greedy, self.draft(batch, n, max_kv, width))
 
-    def draft(self, batch: DecodeBatch, n: int, max_kv: int) -> tuple:
-        """prepare + draft: batch.ids[:n, 1:] hold the proposal after it. Returns what verify reads."""
-        B, b = self.block, batch
+    def draft(self, batch: DecodeBatch, n: int, max_kv: int, width: int | None = None) -> tuple:
+        """prepare + draft: batch.ids[:n, 1:] hold the proposal after it (none when `width` is 1).
+        Returns what verify reads: its positions and meta, `width` rows a sequence."""
+        B, b, W = self.block, batch, width or self.block
         ids = b.ids[:n]
         draft_ids, positions, slots, draft_kv, verify_kv = self.ops.prepare(
             ids, b.pos[:n], b.budget[:n], b.tables[:n], self.page_size, self.mask_id)
@@ -75,18 +84,29 @@ class Round:
                             page_size=self.page_size, max_kv=max_kv, dense=True, rows_own_slots=True, name=name,
                             backend=self.attention, rows=b.row_ids[:n], ring=b.ring, **extra)
 
-        if self.drafter is not None:
+        if self.drafter is not None and W > 1:
             hidden = self.drafter(draft_ids, meta("draft", draft_kv, logits_rows=b.no_rows), block_size=B)
             ids[:, 1:] = self.drafter.propose(hidden.view(n, B, -1), ids[:, 0])
-        return positions, meta("verify", verify_kv, logits_rows=b.q_index[:n].reshape(-1),
-                               state_ids=b.state_slot[:n], stage=self.recurrent)
+        if W == B:
+            return positions, meta("verify", verify_kv, logits_rows=b.q_index[:n].reshape(-1),
+                                   state_ids=b.state_slot[:n], stage=self.recurrent)
+        ids[:, W:] = -1  # drafts past the width: no verify row checks them, so none is accepted
+        positions = positions.view(n, B)[:, :W].reshape(-1)
+        q_index = torch.arange(n * W, device=ids.device).view(n, W)
+        verify = AttnMeta(positions=positions, slots=slots.view(n, B)[:, :W].reshape(-1), q_index=q_index,
+                          q_positions=positions.view(n, W), kv_lens=verify_kv - (B - W), block_tables=b.tables[:n],
+                          page_size=self.page_size, max_kv=max_kv, dense=True, rows_own_slots=True, name="verify",
+                          backend=self.attention, rows=b.row_ids[:n], ring=b.ring, logits_rows=q_index.reshape(-1),
+                          state_ids=b.state_slot[:n], stage=self.recurrent)
+        return positions, verify
 
     def verify(self, batch: DecodeBatch, n: int, greedy: bool, drafted: tuple, constrained: bool = False) -> None:
         """verify -> choose -> accept -> context -> commit. `constrained`: mask each verify row's
         logits with batch.allowed_bits (structured output; the host filled them after draft)."""
         B, b = self.block, batch
-        ids = b.ids[:n]
         positions, verify = drafted
+        W = verify.q_index.shape[1]  # rows verified a sequence
+        ids = b.ids[:n, :W]
         # Greedy rounds without logprobs read only each row's argmax: each tensor-parallel rank
         # keeps its slice of the vocabulary and sends its best (3 values a row, not V / ranks).
         verify.gather_logits = not (greedy and b.token_logprob is None)
@@ -96,18 +116,21 @@ class Round:
             # checked before held stop ids are set to -inf.
             finite = torch.isfinite(logits).all(-1)
             if b.token_logprob is not None:  # scored before any logit edit below
-                scores = log_probs(logits, b.temperature[:n].reshape(-1))
+                scores = log_probs(logits, b.temperature[:n, :W].reshape(-1))
                 top = scores.topk(b.top_logprobs.shape[-1], dim=-1)
-                b.top_logprobs[:n] = top.values.view(n, B, -1)
-                b.top_logprob_ids[:n] = top.indices.view(n, B, -1)
+                b.top_logprobs[:n, :W] = top.values.view(n, W, -1)
+                b.top_logprob_ids[:n, :W] = top.indices.view(n, W, -1)
             # greedy: no row samples, biases or holds its stop ids (engine.py decides)
-            chosen = top1(logits) if greedy else self.choose(batch, n, logits, positions, constrained)
+            chosen = top1(logits) if greedy else self.choose(batch, n, logits, positions, W, constrained)
         else:
             chosen, finite = parallel.sharded_top1(logits)
-        finite = finite.view(n, B).all(-1)
+        finite = finite.view(n, W).all(-1)
         if b.token_logprob is not None:
-            b.token_logprob[:n] = scores.gather(-1, chosen[:, None]).view(n, B)
-        accepted = self.ops.accept(ids, chosen.view(n, B), b.pos[:n], b.budget[:n], b.stop_ids[:n], b.out[:n])
+            b.token_logprob[:n, :W] = scores.gather(-1, chosen[:, None]).view(n, W)
+        chosen = chosen.view(n, W)
+        if W < B:  # the rows not verified choose nothing (-2 matches no draft and is never kept)
+            chosen = torch.nn.functional.pad(chosen, (0, B - W), value=-2)
+        accepted = self.ops.accept(b.ids[:n], chosen, b.pos[:n], b.budget[:n], b.stop_ids[:n], b.out[:n])
         b.out[:n, B + 1] = torch.where(finite, b.out[:n, B + 1], ERROR)
         if b.counts is not None:  # what the rows emitted is generated now
             emitted = b.out[:n, :B]
@@ -119,24 +142,24 @@ class Round:
             # accepted drafts (the bonus is the next anchor, not yet fed).
             self.target.commit(b.state_slot[:n], accepted + 1)
 
-    def choose(self, b: DecodeBatch, n: int, logits: torch.Tensor, positions: torch.Tensor,
+    def choose(self, b: DecodeBatch, n: int, logits: torch.Tensor, positions: torch.Tensor, W: int,
                constrained: bool) -> torch.Tensor:
-        """Each verify row's token: its logit bias, penalties along the drafted path, held stop ids
-        and grammar mask applied (in place), then the seeded sample."""
-        B = self.block
+        """Each of the W verify rows' token: its logit bias, penalties along the drafted path, held
+        stop ids and grammar mask applied (in place), then the seeded sample."""
+        def per_verify_row(t: torch.Tensor) -> torch.Tensor:  # [n, L] -> [n * W, L]
+            return t[:n, None, :].expand(n, W, -1).reshape(n * W, -1)
 
-        def per_verify_row(t: torch.Tensor) -> torch.Tensor:  # [n, L] -> [n * B, L]
-            return t[:n, None, :].expand(n, B, -1).reshape(n * B, -1)
+        def verified(t: torch.Tensor) -> torch.Tensor:  # [rows, B, ...] -> [n * W, ...]
+            return t[:n, :W].reshape(n * W, *t.shape[2:])
 
         if b.bias is not None:
             add_bias_(logits, per_verify_row(b.bias_ids), per_verify_row(b.bias))
         if b.counts is not None:
-            penalize_(logits, b.counts[:n], b.in_prompt[:n], b.ids[:n, 1:], b.repetition[:n], b.frequency[:n],
+            penalize_(logits, b.counts[:n], b.in_prompt[:n], b.ids[:n, 1:W], b.repetition[:n], b.frequency[:n],
                       b.presence[:n])
-        held = (positions + 1).view(n, B) < b.min_stop_pos[:n, None]
+        held = (positions + 1).view(n, W) < b.min_stop_pos[:n, None]
         hold_stops_(logits, per_verify_row(b.stop_ids), held.reshape(-1))
         if constrained:
-            mask_disallowed_(logits, b.allowed_bits[:n * B])
-        return choose_tokens(logits, b.temperature[:n].reshape(-1), b.top_k[:n].reshape(-1),
-                             b.top_p[:n].reshape(-1), b.seed[:n].reshape(-1), positions + 1,
-                             self.ops.sample, b.min_p[:n].reshape(-1))
+            mask_disallowed_(logits, verified(b.allowed_bits.view(b.rows, self.block, -1)))
+        return choose_tokens(logits, verified(b.temperature), verified(b.top_k), verified(b.top_p), verified(b.seed),
+                             positions + 1, self.ops.sample, verified(b.min_p))

@@ -294,12 +294,14 @@ def speculation(speculated: int, ok: int) -> str:
 
 
 def write_shard_stats(out_dir: Path, index: int, complete: bool, inputs: list | None = None,
-                      count: bool = True) -> dict[str, dict]:
+                      count: bool = True, schedule: dict | None = None) -> dict[str, dict]:
     """Per-bucket totals of the shard's committed parts, whether its run got through all of its
     input (`inputs`: the fingerprint of the files it read), and, once it has, the keys committed
     more than once (`status` reads both): two input rows with one id. A row id always falls in
     the same shard, so a shard's check is the run's. `count` False: the record without the
-    totals, which read every part (a preempted task has seconds before SIGKILL)."""
+    totals, which read every part (a preempted task has seconds before SIGKILL). `schedule`: by
+    bucket, the speculation schedule this process ran (engine/schedule.py; a resumed shard's is
+    its last run's)."""
     files = part_files(out_dir, index) if count or complete else []
     keys, totals = ["row_id", "sample_index"], {}
 
@@ -310,6 +312,8 @@ def write_shard_stats(out_dir: Path, index: int, complete: bool, inputs: list | 
             yield t.select(keys)
 
     record = {"shard": index, "complete": complete, "inputs": inputs}
+    if schedule:
+        record["schedule"] = schedule
     if complete:
         record["duplicate_keys"] = duplicates(parts(), keys, spill_dir=out_dir)
     elif count:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from dflash_batch.job import Job
+from dflash_batch.job import Job, PinnedDrafts
 
 
 @dataclass(frozen=True)
@@ -14,16 +14,18 @@ class Bucket:
     name: str              # "0-2048", "2048-8192", ... (lower edge exclusive)
     max_tokens: int        # prompt + max_new_tokens fits in this
     max_num_seqs: int
-    speculation: bool | str  # True, False or "auto" (engine/switch.py)
+    speculation: bool | str  # True, False or "auto" (engine/schedule.py)
     block_size: int | None  # None: the drafter's own
+    drafts: int | None = None  # drafts every round verifies (speculation: {drafts: K}); None: the block's
 
 
 def plan_buckets(job: Job) -> list[Bucket]:
     specs = job.resolved_buckets()
     out, low = [], 0
     for i, b in enumerate(specs):
-        out.append(Bucket(i, f"{low}-{b.max_tokens}", b.max_tokens,
-                          b.max_num_seqs or job.engine.max_num_seqs, b.speculation, b.block_size))
+        pinned = b.speculation.drafts if isinstance(b.speculation, PinnedDrafts) else None
+        out.append(Bucket(i, f"{low}-{b.max_tokens}", b.max_tokens, b.max_num_seqs or job.engine.max_num_seqs,
+                          True if pinned is not None else b.speculation, b.block_size, pinned))
         low = b.max_tokens
     return out
 
