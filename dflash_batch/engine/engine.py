@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 
 import kernels
+from dflash_batch import parallel
 from dflash_batch.backends.meta import AttentionBackend, Ring
 from dflash_batch.backends.torch_attention import TORCH
 from dflash_batch.engine.batch import DecodeBatch
@@ -30,7 +31,6 @@ from dflash_batch.engine.schedule import Schedule
 from dflash_batch.engine.sampling import (add_bias_, choose_tokens, hold_stops_, log_probs, mask_disallowed_,
                                           penalize_)
 from dflash_batch.engine.sequence import Sequence
-from dflash_batch import parallel
 from dflash_batch.plan.buckets import Bucket
 from kernels.accept import STOP
 from kernels.sample import top1
