@@ -11,11 +11,16 @@ import errno
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from dflash_batch import __version__
+
+if TYPE_CHECKING:
+    from dflash_batch.job import Job
 
 SCHEMA_VERSION = 1
 
@@ -147,6 +152,12 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         raise CommitError(f"{path}: {step} failed: {e.strerror or e} ({what}). Files committed before it are "
                           "intact; fix the disk (free space, check the device) and rerun the same command: "
                           "it resumes from what is committed") from e
+
+
+def part_metadata(job: Job, config_hash: str) -> dict[str, str]:
+    """The key-value metadata every part of a run carries: the version, the run's hash, the job."""
+    return {"dflash_batch.version": __version__, "dflash_batch.config_hash": config_hash,
+            "dflash_batch.job": job.model_dump_json()}
 
 
 class PartWriter:
