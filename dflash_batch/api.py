@@ -41,7 +41,7 @@ _running: set[Path] = set()  # output directories a generate call of this proces
 _running_lock = threading.Lock()
 
 
-def _job(job: Job | str | Path | dict) -> Job:
+def as_job(job: Job | str | Path | dict) -> Job:
     """The job; a job file or document may leave input.paths out."""
     if isinstance(job, Job):
         return job
@@ -90,7 +90,7 @@ def generate(rows: Iterable[dict] | pa.Table, job: Job | str | Path | dict, *,
     are replaced) over `rows` (dicts or an Arrow table) and yield every output row of the run:
     those committed by an earlier call first, then each new one as it finishes. `engine_factory`:
     the engine to use (default: built from the job, as the CLI does)."""
-    job = _job(job)
+    job = as_job(job)
     out_dir = Path(job.output.dir).resolve()
     with _running_lock:
         if out_dir in _running:

@@ -351,6 +351,7 @@ def status(out_dir: str) -> None:
                                         shard_states)
     from dflash_batch.io.progress import describe_live, live_state, lock_held, read_progress, resume_lines
     from dflash_batch.plan.expected import shard_plan
+    from dflash_batch.ray import RAY_INPUT
 
     out = Path(out_dir)
     run_file = out / "run.json"
@@ -362,7 +363,12 @@ def status(out_dir: str) -> None:
     done = [by_shard[(i, "ok")] + by_shard[(i, "error")] for i in range(num_shards)]
     states = shard_states(out, num_shards)  # what each shard's runs recorded of reaching their end
     expected = [None] * num_shards
+    from_ray = run_record["job"]["input"]["paths"] == [RAY_INPUT]
+    if from_ray:  # its rows are known to the pipeline, not to a file
+        states = ["ray" if d else "not started" for d in done]
     try:  # each shard's rows once complete, counted from local inputs (cached in OUT_DIR)
+        if from_ray:
+            raise JobError("its rows come from a Ray Data pipeline (dflash_batch.ray)")
         job = Job.model_validate(run_record["job"])
         inputs = input_fingerprint(job.input)
         if inputs is not None:
@@ -392,8 +398,11 @@ def status(out_dir: str) -> None:
         shown = ", ".join(f"({r['row_id']!r}, {r['sample_index']})" for r in found["examples"])
         click.echo(f"duplicate ids: shard {i} committed {found['rows']} rows under {found['count']} (row_id, "
                    f"sample_index) keys, e.g. {shown}: input rows share an id (dflash-batch validate lists them)")
-    todo = [i for i, s in enumerate(states) if s not in ("complete", "running", "stalled")]
-    if todo:
+    todo = [i for i, s in enumerate(states) if s not in ("complete", "running", "stalled", "ray")]
+    if from_ray:
+        click.echo("rows from a Ray Data pipeline: run it again to finish (committed rows are read back, "
+                   "not generated again)")
+    elif todo:
         lines = resume_lines(todo, num_shards, run_record.get("job_file") or "JOB_FILE", out, records)
         click.echo(f"incomplete: shard(s) {array_spec(todo)}; to finish them:\n" + "\n".join(f"  {x}" for x in lines))
 

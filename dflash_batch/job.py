@@ -284,10 +284,12 @@ class OutputSpec(_Strict):
 
 
 class ShardingSpec(_Strict):
-    mode: Literal["auto", "slurm", "explicit", "none"] = Field(
-        "auto", description="auto: Slurm array variables if set, else a single shard.")
+    mode: Literal["auto", "slurm", "kubernetes", "explicit", "none"] = Field(
+        "auto", description="auto: Slurm array variables if set, else a Kubernetes indexed Job's "
+        "JOB_COMPLETION_INDEX if set, else a single shard.")
     index: int | None = Field(None, ge=0)
-    count: int | None = Field(None, ge=1)
+    count: int | None = Field(None, ge=1, description="explicit: the shard count; kubernetes (and auto under "
+                              "a Kubernetes indexed Job): the shard count, else DFLASH_SHARDS.")
 
     @model_validator(mode="after")
     def _explicit_needs_both(self) -> ShardingSpec:
@@ -296,8 +298,10 @@ class ShardingSpec(_Strict):
                 raise ValueError("mode: explicit needs both index and count")
             if self.index >= self.count:
                 raise ValueError(f"index {self.index} must be < count {self.count}")
-        elif self.index is not None or self.count is not None:
-            raise ValueError("index/count are only used with mode: explicit")
+        elif self.index is not None:
+            raise ValueError("index is only used with mode: explicit (Slurm and Kubernetes give it)")
+        elif self.count is not None and self.mode not in ("kubernetes", "auto"):
+            raise ValueError("count is only used with mode: explicit, kubernetes or auto")
         return self
 
 

@@ -75,6 +75,36 @@ def test_slurm_mode_without_array_env_is_an_error():
         resolve_shard(ShardingSpec(mode="slurm"), {})
 
 
+def test_kubernetes_indexed_job_maps_its_index_to_a_shard():
+    auto = ShardingSpec()
+    assert resolve_shard(auto, {"JOB_COMPLETION_INDEX": "3", "DFLASH_SHARDS": "8"}) == Shard(3, 8)
+    # the job's count wins over the environment's; Slurm's variables over Kubernetes'
+    assert resolve_shard(ShardingSpec(count=4), {"JOB_COMPLETION_INDEX": "3", "DFLASH_SHARDS": "8"}) == Shard(3, 4)
+    assert resolve_shard(ShardingSpec(mode="kubernetes", count=4), {"JOB_COMPLETION_INDEX": "0"}) == Shard(0, 4)
+    assert resolve_shard(auto, {**SLURM, "JOB_COMPLETION_INDEX": "0", "DFLASH_SHARDS": "8"}) == Shard(4, 8)
+    assert resolve_shard(auto, {"JOB_COMPLETION_INDEX": "3", "DFLASH_SHARDS": "8"}, parse_shard("1/2")) == Shard(1, 2)
+    assert resolve_shard(ShardingSpec(mode="none"), {"JOB_COMPLETION_INDEX": "3", "DFLASH_SHARDS": "8"}) == Shard(0, 1)
+
+
+@pytest.mark.parametrize("spec,env,needle", [
+    (ShardingSpec(), {"JOB_COMPLETION_INDEX": "3"}, "no shard count: set sharding.count"),
+    (ShardingSpec(), {"JOB_COMPLETION_INDEX": "8", "DFLASH_SHARDS": "8"}, "is not a shard of 8"),
+    (ShardingSpec(count=2), {"JOB_COMPLETION_INDEX": "2"}, "is not a shard of 2"),
+    (ShardingSpec(), {"JOB_COMPLETION_INDEX": "one", "DFLASH_SHARDS": "8"}, "must be integers"),
+    (ShardingSpec(mode="kubernetes"), {"DFLASH_SHARDS": "8"}, "JOB_COMPLETION_INDEX is not set"),
+])
+def test_kubernetes_env_that_names_no_shard_is_an_error(spec, env, needle):
+    with pytest.raises(JobError, match=needle):
+        resolve_shard(spec, env)
+
+
+def test_sharding_count_belongs_to_modes_that_read_it():
+    with pytest.raises(ValueError, match="count is only used"):
+        ShardingSpec(mode="slurm", count=4)
+    with pytest.raises(ValueError, match="index is only used"):
+        ShardingSpec(mode="kubernetes", index=1, count=4)
+
+
 @pytest.mark.parametrize("text", ["3", "4/4", "-1/4", "a/b"])
 def test_bad_shard_option(text):
     with pytest.raises(JobError):

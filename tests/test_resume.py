@@ -11,10 +11,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import orjson
 import yaml
 
 from dflash_batch.io.progress import read_progress
-from dflash_batch.plan.shards import Shard
+from dflash_batch.plan.shards import Shard, shard_of
 from dflash_batch.runner import run_job
 from tests.fake_engine import fake_factory
 from tests.jobs_util import base_job, read_out, write_job, write_jsonl
@@ -23,9 +24,9 @@ ROOT = Path(__file__).resolve().parent.parent
 VOLATILE = {"ttft_s", "latency_s"}
 
 
-def _start(job_file: Path, delay: float) -> subprocess.Popen:
+def _start(job_file: Path, delay: float, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "tests.run_fake_job", str(job_file), str(delay)],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **(env or {})})
 
 
 def _comparable(rows: list[dict]) -> dict:
@@ -88,6 +89,28 @@ def test_sigterm_commits_finished_rows_and_exits_nonzero(tmp_path, model_dir):
     assert final.wait(timeout=120) == 0
     rows = read_out(tmp_path / "term")
     assert len(_comparable(rows)) == 80 and os.path.exists(tmp_path / "term" / "stats" / "shard-00000.json")
+
+
+def test_kubernetes_pod_eviction_commits_exits_143_and_the_restarted_pod_finishes_its_shard(tmp_path, model_dir):
+    """A pod of an indexed Job: its shard from JOB_COMPLETION_INDEX and DFLASH_SHARDS; eviction's
+    SIGTERM commits and exits 143; the pod Kubernetes starts again for that index finishes
+    exactly that shard's rows, once each."""
+    job_file = _job(tmp_path, model_dir, "pod")
+    pod = {"JOB_COMPLETION_INDEX": "1", "DFLASH_SHARDS": "2"}
+    for key in ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_COUNT", "SLURM_ARRAY_TASK_MIN"):
+        pod[key] = ""  # (a suite run inside a Slurm array must not look like one here)
+    proc = _start(job_file, delay=0.05, env=pod)
+    deadline = time.monotonic() + 60
+    while not read_out(tmp_path / "pod") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 143
+    mine = {(f"r{i}", s) for i in range(40) if shard_of(f"r{i}", 2) == 1 for s in range(2)}
+    assert 0 < len(read_out(tmp_path / "pod")) < len(mine)
+    assert _start(job_file, delay=0.0, env=pod).wait(timeout=120) == 0
+    rows = read_out(tmp_path / "pod")
+    assert set(_comparable(rows)) == mine and {r["shard_index"] for r in rows} == {1}
+    assert orjson.loads((tmp_path / "pod" / "run.json").read_bytes())["num_shards"] == 2
 
 
 def test_sigterm_commits_what_finished_at_once_even_under_contention(tmp_path, model_dir):

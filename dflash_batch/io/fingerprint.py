@@ -94,15 +94,18 @@ def _files(location: str, prints: Fingerprints) -> dict[str, str]:
             if f.suffix in MODEL_FILES and not f.name.startswith(".") and f.is_file()}
 
 
-def run_identity(job: Job, out_dir: Path) -> dict[str, dict[str, str]]:
+def run_identity(job: Job, out_dir: Path, inputs: dict[str, str] | None = None) -> dict[str, dict[str, str]]:
     """Per job field that names files (job.LOCATIONS), each file's fingerprint by name: for the
-    inputs the names rows are read under (row ids without an id column derive from them)."""
+    inputs the names rows are read under (row ids without an id column derive from them).
+    `inputs`: what stands for the input files where rows do not come from them (a Ray stage's)."""
     prints = Fingerprints(out_dir)
     identity = {f"model.{field}": _files(value, prints) for field in sorted(LOCATIONS["model"])
                 if (value := getattr(job.model, field)) is not None}
-    files = [f for f, _ in expand_paths(job.input.paths, job.input.format)]
-    identity["input.paths"] = {(f if isinstance(f, str) else name): ("url" if isinstance(f, str) else prints.of(f))
-                               for f, name in zip(files, source_names(files))}
+    if inputs is None:
+        files = [f for f, _ in expand_paths(job.input.paths, job.input.format)]
+        inputs = {(f if isinstance(f, str) else name): ("url" if isinstance(f, str) else prints.of(f))
+                  for f, name in zip(files, source_names(files))}
+    identity["input.paths"] = inputs
     prints.save()
     return identity
 

@@ -58,13 +58,14 @@ def _run_record(job: Job, shard: Shard, job_file: str | None, identity: dict) ->
             "identity": identity, "job": job.model_dump(mode="json", exclude={"sharding"})}
 
 
-def check_run(out_dir: Path, job: Job, shard: Shard) -> str:
+def check_run(out_dir: Path, job: Job, shard: Shard, inputs: dict[str, str] | None = None) -> str:
     """If run.json exists, check that it describes the same logical run as `job` (read only:
-    a job is refused before anything is loaded). Returns the config hash."""
+    a job is refused before anything is loaded). Returns the config hash. `inputs`: what stands
+    for the input files where the rows come from elsewhere (fingerprint.run_identity)."""
     if job.retry is not None and not Path(job.retry.samples).is_file():
         raise JobError(f"retry.samples: {job.retry.samples} does not exist (dflash-batch retry writes it beside "
                        "the retry's job file)")
-    identity = run_identity(job, out_dir)
+    identity = run_identity(job, out_dir, inputs)
     record = _run_record(job, shard, None, identity)
     path = out_dir / "run.json"
     if not path.exists():
@@ -95,7 +96,8 @@ def check_run(out_dir: Path, job: Job, shard: Shard) -> str:
     return record["config_hash"]
 
 
-def lock_run(out_dir: Path, job: Job, shard: Shard, job_file: str | None = None) -> str:
+def lock_run(out_dir: Path, job: Job, shard: Shard, job_file: str | None = None,
+             inputs: dict[str, str] | None = None) -> str:
     """Write run.json (and the directory's dataset card, io/card.py) if absent, atomically and
     race-free across array tasks, else check that it describes the same logical run. Returns the
     config hash. `job_file` (the path it was run from) is recorded for `status` to print the
@@ -104,9 +106,9 @@ def lock_run(out_dir: Path, job: Job, shard: Shard, job_file: str | None = None)
     # The card first: a directory with run.json has it (load_dataset reads the parts through it).
     _create_once(out_dir / "README.md", dataset_card(job).encode())
     # Fingerprinted now that the directory exists: their cache is saved in it.
-    record = _run_record(job, shard, job_file, run_identity(job, out_dir))
+    record = _run_record(job, shard, job_file, run_identity(job, out_dir, inputs))
     _create_once(out_dir / "run.json", orjson.dumps(record, option=orjson.OPT_INDENT_2))
-    return check_run(out_dir, job, shard)
+    return check_run(out_dir, job, shard, inputs)
 
 
 def _create_once(path: Path, data: bytes) -> None:
@@ -132,15 +134,16 @@ def lock_path(out_dir: Path, index: int) -> Path:
 
 
 @contextmanager
-def shard_lock(out_dir: Path, index: int) -> Iterator[None]:
+def shard_lock(out_dir: Path, index: int, wait: bool = False) -> Iterator[None]:
     """Hold this shard's writer lock: an OS lock (POSIX, so NFS honours it across nodes) that the
     kernel releases when the process ends, however it ends. A second process on the same shard
-    of the same directory is refused instead of interleaving parts with the first."""
+    of the same directory is refused instead of interleaving parts with the first; `wait`: it
+    waits for the lock instead (writers that hold it only to commit a part, ray.py)."""
     d = shard_dir(out_dir, index)
     d.mkdir(parents=True, exist_ok=True)
     fd = os.open(lock_path(out_dir, index), os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.lockf(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
     except OSError:
         holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
         os.close(fd)

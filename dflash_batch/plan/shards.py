@@ -12,6 +12,8 @@ from dflash_batch.job import JobError, ShardingSpec
 from dflash_batch.keys import Shard, hash64
 
 SLURM_VARS = ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_COUNT", "SLURM_ARRAY_TASK_MIN")
+K8S_INDEX = "JOB_COMPLETION_INDEX"  # set in each pod of an Indexed Job: 0 .. completions - 1
+COUNT_VAR = "DFLASH_SHARDS"  # the shard count where the launcher gives none (a Job's completions)
 
 
 def shard_of(row_id: str, count: int) -> int:
@@ -53,14 +55,37 @@ def _slurm_shard(env: Mapping[str, str]) -> Shard:
     return Shard(index, count)
 
 
+def _kubernetes_shard(env: Mapping[str, str], count: int | None) -> Shard:
+    """A Kubernetes indexed Job's pod: its index from JOB_COMPLETION_INDEX, the count from the
+    job's sharding.count, else DFLASH_SHARDS (Kubernetes does not tell a pod the completions)."""
+    index, given = env.get(K8S_INDEX), env.get(COUNT_VAR)
+    if not index:
+        raise JobError(f"sharding.mode kubernetes: {K8S_INDEX} is not set; run as a pod of an Indexed Job "
+                       "(completionMode: Indexed, jobs/k8s/indexed-job.yaml), or pass --shard INDEX/COUNT")
+    if count is None and not given:
+        raise JobError(f"{K8S_INDEX}={index} (a Kubernetes indexed Job) but no shard count: set sharding.count "
+                       f"in the job or {COUNT_VAR} in the pod's environment to the Job's completions")
+    try:
+        index_value, count = int(index), count if count is not None else int(given)
+    except ValueError:
+        raise JobError(f"{K8S_INDEX}={index!r} and {COUNT_VAR}={given!r} must be integers") from None
+    if count < 1 or not 0 <= index_value < count:
+        raise JobError(f"{K8S_INDEX}={index_value} is not a shard of {count} (sharding.count or {COUNT_VAR}): "
+                       "the Job's completions and the shard count must be equal")
+    return Shard(index_value, count)
+
+
 def resolve_shard(spec: ShardingSpec, env: Mapping[str, str], override: Shard | None = None) -> Shard:
-    """The shard this process runs: --shard, then the job's sharding section, then Slurm."""
+    """The shard this process runs: --shard, then the job's sharding section, then Slurm's array
+    variables, then a Kubernetes indexed Job's."""
     if override is not None:
         return override
     if spec.mode == "explicit":
         return Shard(spec.index, spec.count)
     if spec.mode == "none":
         return Shard(0, 1)
-    if spec.mode == "slurm" or any(env.get(k) for k in SLURM_VARS):
+    if spec.mode == "slurm" or (spec.mode == "auto" and any(env.get(k) for k in SLURM_VARS)):
         return _slurm_shard(env)
+    if spec.mode == "kubernetes" or env.get(K8S_INDEX):
+        return _kubernetes_shard(env, spec.count)
     return Shard(0, 1)

@@ -1,0 +1,166 @@
+"""dflash-batch as a stage of a Ray Data pipeline (`pip install 'dflash-batch[ray]'`):
+
+    import ray
+    from dflash_batch.ray import DFlashStage
+
+    out = ray.data.read_parquet("prompts/").map_batches(
+        DFlashStage, fn_constructor_kwargs={"job": "jobs/x.yaml", "output_dir": "out/x"},
+        batch_size=256, batch_format="pyarrow", concurrency=4, num_gpus=1)
+
+Each actor of the pool builds one engine and takes batches of input rows (the columns the job's
+input section names); it returns the output columns `dflash-batch run` writes, one row per
+(input row, sample), error rows for bad rows (a bad row never fails the batch).
+
+With an output directory, every batch's new rows are committed there as one Parquet part
+before the batch returns, in the layout `dflash-batch run` writes (one shard), so report,
+status and export read it. A row already committed, by an earlier run of the pipeline or by
+an actor that died after committing and before returning (Ray then retries the batch on a
+new actor), is read back instead of generated again, and a commit leaves out any row another
+writer committed meanwhile: each (row_id, sample_index) is written once. Row ids come from
+input.id_column, which such a stage needs (a row's position in a Ray batch does not survive a
+restart). Without an output directory rows only flow on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import orjson
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from dflash_batch.api import as_job
+from dflash_batch.engine.request import Engine
+from dflash_batch.io.inputs import Record
+from dflash_batch.io.ledger import key_hash, lock_run, part_files, shard_dir, shard_lock
+from dflash_batch.io.outputs import (
+    RESERVED,
+    atomic_write_bytes,
+    part_metadata,
+    rows_to_table,
+)
+from dflash_batch.job import Job, JobError, check_model_paths
+from dflash_batch.keys import Shard
+from dflash_batch.output_rows import RowDecoder
+from dflash_batch.plan.rows import RowPreparer
+from dflash_batch.runner import EngineFactory, open_tokenizer
+
+SHARD = Shard(0, 1)  # a Ray stage's run is one shard: its rows are dealt out by Ray, not by a hash
+RAY_INPUT = "<a Ray dataset>"  # the run's input.paths (run.json): `status` knows such a run by it
+
+
+class DFlashStage:
+    """A callable class for `Dataset.map_batches`: one engine per actor. `job`: a job file, a
+    job document or a Job (its input.paths may be left out: Ray gives the rows); `output_dir`:
+    where rows are committed (it replaces output.dir; None: rows only flow on); `threads`: torch
+    threads on a CPU (default: as Ray set OMP_NUM_THREADS, the actor's CPUs); `engine_factory`:
+    as runner.py's (default: built from the job, as `dflash-batch run` does)."""
+
+    def __init__(self, job: Job | str | Path | dict, output_dir: str | Path | None = None,
+                 threads: int | None = None, engine_factory: EngineFactory | None = None):
+        import torch
+
+        job = as_job(job)
+        self.out_dir = None if output_dir is None else Path(output_dir)
+        update = {"input": job.input.model_copy(update={"paths": [RAY_INPUT]})}
+        if self.out_dir is not None:
+            update["output"] = job.output.model_copy(update={"dir": str(self.out_dir)})
+        self.job = job = job.model_copy(update=update)
+        check_model_paths(job.model)
+        for col in job.input.passthrough_columns:
+            if col in RESERVED:
+                raise JobError(f"input.passthrough_columns: {col!r} collides with an output column")
+        if job.model.tensor_parallel_size > 1:
+            raise JobError("model.tensor_parallel_size > 1 is not supported in a Ray stage yet: one actor "
+                           "holds one rank; run such a model with `dflash-batch run` (torchrun or srun)")
+        if self.out_dir is not None and job.input.id_column is None and job.input.format != "openai_batch":
+            raise JobError("input.id_column: a Ray stage that commits to an output directory needs row ids "
+                           "that survive a restart (a row's place in a Ray batch does not); name the column "
+                           "that holds them, or give no output_dir to let rows only flow on")
+        if threads:
+            torch.set_num_threads(threads)
+        self.tokenizer, delimiters = open_tokenizer(job)
+        if engine_factory is None:
+            from dflash_batch.build import build_engine
+
+            engine_factory = build_engine
+        self.engine: Engine = engine_factory(job, self.tokenizer)
+        config_hash = "-"
+        if self.out_dir is not None:
+            config_hash = lock_run(self.out_dir, job, SHARD, inputs={RAY_INPUT: "ray"})
+        self.metadata = part_metadata(job, config_hash)
+        self.committed: set[int] = set()  # key hashes of the committed (row_id, sample_index)
+        self.parts_of: dict[str, set[Path]] = {}  # row id -> the parts holding its committed samples
+        self.read_parts: set[Path] = set()
+        self.done = _Committed(self.committed)
+        self.preparer = RowPreparer(job, self.tokenizer, getattr(self.engine, "vocab_size", None), SHARD, self.done)
+        self.new_rows: list[dict] = []
+        self.rows = RowDecoder(job, SHARD, self.tokenizer, self.engine, config_hash, delimiters, self.done,
+                               self.new_rows.append)
+
+    def __call__(self, batch: pa.Table | dict) -> pa.Table:
+        table = batch if isinstance(batch, pa.Table) else pa.table(batch)
+        records = table.to_pylist()
+        # Without ids, a row's id derives from the batch's content and its place in it.
+        source = "ray-" + hashlib.blake2b(orjson.dumps(records, default=str), digest_size=8).hexdigest()
+        records = [Record(source, i, data) for i, data in enumerate(records)]
+        self._learn_committed()
+        ids = {self.preparer.row_id(rec, rec.data)[0] for rec in records}
+        self.new_rows.clear()
+        self.rows.run_window(self.preparer.prepare(records))
+        new, written = self.new_rows, None
+        if self.out_dir is not None:
+            new, written = self.commit(self.new_rows)
+        tables = [rows_to_table(new, self.job.input.passthrough_columns, self.rows.optional, self.metadata)]
+        tables += self._read_committed(ids, written)
+        return pa.concat_tables(tables, promote_options="permissive").replace_schema_metadata(None)
+
+    def commit(self, rows: list[dict]) -> tuple[list[dict], Path | None]:
+        """Write the rows no writer has committed yet as one part, holding the shard's lock; the
+        rows written and their part."""
+        if not rows:
+            return [], None
+        path = None
+        with shard_lock(self.out_dir, SHARD.index, wait=True):
+            self._learn_committed()
+            rows = [r for r in rows if key_hash(r["row_id"], r["sample_index"]) not in self.committed]
+            if rows:
+                parts = part_files(self.out_dir, SHARD.index)
+                number = 1 + max((int(p.stem.split("-")[1]) for p in parts), default=-1)
+                path = shard_dir(self.out_dir, SHARD.index) / f"part-{number:06d}.parquet"
+                table = rows_to_table(rows, self.job.input.passthrough_columns, self.rows.optional, self.metadata)
+                sink = pa.BufferOutputStream()
+                compression = None if self.job.output.compression == "none" else self.job.output.compression
+                pq.write_table(table, sink, compression=compression)
+                atomic_write_bytes(path, sink.getvalue().to_pybytes())
+                self._learn_committed()
+        return rows, path
+
+    def _learn_committed(self) -> None:
+        """Index the keys of the parts written since the last look (by any writer)."""
+        for path in part_files(self.out_dir, SHARD.index) if self.out_dir is not None else []:
+            if path not in self.read_parts:
+                t = pq.read_table(path, columns=["row_id", "sample_index"])
+                for r, s in zip(t["row_id"].to_pylist(), t["sample_index"].to_pylist()):
+                    self.committed.add(key_hash(r, s))
+                    self.parts_of.setdefault(r, set()).add(path)
+                self.read_parts.add(path)
+
+    def _read_committed(self, ids: set[str], written: Path | None) -> list[pa.Table]:
+        """The committed rows of these row ids but those this batch wrote (in `written`)."""
+        parts = sorted({p for i in ids for p in self.parts_of.get(i, ())} - {written})
+        wanted = pa.array(sorted(ids), pa.string())
+        tables = [pq.read_table(p) for p in parts]
+        return [t.filter(pc.is_in(t["row_id"], value_set=wanted)) for t in tables]
+
+
+class _Committed:
+    """(row_id, sample_index) in it: committed (RowPreparer and RowDecoder skip such keys)."""
+
+    def __init__(self, committed: set[int]):
+        self.committed = committed
+
+    def __contains__(self, key: tuple[str, int]) -> bool:
+        return key_hash(*key) in self.committed

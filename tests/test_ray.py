@@ -1,0 +1,163 @@
+"""dflash_batch.ray: the engine as a Ray Data stage.
+
+Without Ray: a batch's bad rows become error rows; a batch seen again generates nothing; a commit
+leaves out rows another writer committed meanwhile; a stage that would commit needs row ids.
+With a local Ray cluster (2 CPUs, 2 actors): the demo pair over demo prompts through
+map_batches gives every (row, sample) once, equal to `dflash-batch run` on the same rows; the
+pipeline run again generates nothing; an actor killed (`ray.kill`) right after committing a
+batch, before returning it, is replaced and the batch retried: every row still once.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import orjson
+import pyarrow as pa
+import pytest
+
+from dflash_batch.build import build_engine
+from dflash_batch.io.inputs import Record
+from dflash_batch.job import JobError, load_job
+from dflash_batch.plan.shards import Shard
+from dflash_batch.ray import DFlashStage
+from dflash_batch.runner import run_job
+from tests.jobs_util import read_out, write_jsonl
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO = ROOT / "jobs" / "demo.yaml"
+COMPARED = ("row_id", "sample_index", "status", "response", "finish_reason", "completion_tokens", "dataset")
+
+
+def _prompts(count: int) -> list[dict]:
+    rows = [orjson.loads(line) for line in (ROOT / "jobs/demo/prompts.jsonl").read_bytes().splitlines()]
+    return [r for r in rows if r["dataset"] != "few-shot"][:count]
+
+
+def _keys(rows: list[dict]) -> Counter:
+    return Counter((r["row_id"], r["sample_index"]) for r in rows)
+
+
+def _by_key(rows: list[dict]) -> dict:
+    return {(r["row_id"], r["sample_index"]): {c: r.get(c) for c in COMPARED} for r in rows}
+
+
+def test_bad_rows_are_error_rows_and_a_batch_seen_again_generates_nothing(tmp_path):
+    stage = DFlashStage(DEMO, output_dir=tmp_path / "out")
+    good = _prompts(3)
+    bad = [{"id": "no-messages", "dataset": "x", "answer": "1", "messages": None},
+           {"id": "too-long", "dataset": "x", "answer": "1",  # past the last bucket, and overflow: error
+            "messages": [{"role": "user", "content": "one two three " * 1000}]}]
+    out = stage(pa.Table.from_pylist(good + bad)).to_pylist()
+    assert _keys(out) == _keys([{"row_id": r["id"], "sample_index": 0} for r in good + bad])
+    status = {r["row_id"]: r["status"] for r in out}
+    assert [status[r["id"]] for r in good] == ["ok"] * 3
+    assert status["no-messages"] == status["too-long"] == "error"
+    assert all(r["error"] for r in out if r["status"] == "error")
+    assert _by_key(read_out(tmp_path / "out")) == _by_key(out)
+
+    # The same rows again (a Ray retry, a restarted pipeline): read back, nothing generated.
+    generated = []
+    stage.rows.commit = generated.append
+    again = stage(pa.Table.from_pylist(list(reversed(good + bad)))).to_pylist()
+    assert not generated and _by_key(again) == _by_key(out)
+    assert len(list((tmp_path / "out" / "data" / "shard-00000").glob("part-*.parquet"))) == 1
+
+
+def test_a_commit_leaves_out_rows_another_writer_committed(tmp_path):
+    first, second = DFlashStage(DEMO, output_dir=tmp_path / "out"), DFlashStage(DEMO, output_dir=tmp_path / "out")
+    rows = _prompts(4)
+    second.new_rows.clear()
+    second.rows.run_window(second.preparer.prepare([Record("s", i, r) for i, r in enumerate(rows[:2])]))
+    made = list(second.new_rows)  # generated, not yet committed, when the first commits the same rows
+    out = first(pa.Table.from_pylist(rows))
+    written, part = second.commit(made)
+    assert written == [] and part is None
+    assert _keys(read_out(tmp_path / "out")) == _keys(out.to_pylist())
+    assert max(_keys(read_out(tmp_path / "out")).values()) == 1
+
+
+def test_committing_needs_row_ids_and_flowing_on_does_not(tmp_path):
+    doc = load_job(DEMO).model_dump(mode="json")
+    doc["input"]["id_column"] = None
+    with pytest.raises(JobError, match="input.id_column"):
+        DFlashStage(doc, output_dir=tmp_path / "out")
+    stage = DFlashStage(doc)  # rows only flow on: nothing is written
+    rows = [{k: v for k, v in r.items() if k != "id"} for r in _prompts(2)]
+    out = stage(pa.Table.from_pylist(rows)).to_pylist()
+    assert [r["status"] for r in out] == ["ok", "ok"] and not (tmp_path / "out").exists()
+
+
+# -- through Ray ---------------------------------------------------------------------------
+
+ray = pytest.importorskip("ray", reason="pip install -e '.[ray]'")
+
+
+class DiesAfterItsFirstCommit(DFlashStage):
+    """The first commit of the whole pipeline (a marker file decides) kills its own actor with
+    ray.kill before the batch is returned: Ray restarts the actor and retries the batch."""
+
+    def commit(self, rows: list[dict]) -> tuple[list[dict], Path | None]:
+        written = super().commit(rows)
+        try:
+            os.close(os.open(self.out_dir.parent / "killed", os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return written
+        ray.kill(ray.get_runtime_context().current_actor, no_restart=False)
+        time.sleep(120)  # killed before this returns
+        raise AssertionError("ray.kill did not end the actor")
+
+
+@pytest.fixture
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}})
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def _pipeline(rows: list[dict], out_dir: Path, stage: type = DFlashStage) -> list[dict]:
+    ds = ray.data.from_items(rows, override_num_blocks=4)
+    ds = ds.map_batches(stage, fn_constructor_kwargs={"job": str(DEMO), "output_dir": str(out_dir), "threads": 1},
+                        batch_size=6, batch_format="pyarrow", concurrency=2, num_cpus=1)
+    return ds.take_all()
+
+
+def _reference(tmp_path: Path, rows: list[dict]) -> list[dict]:
+    """`dflash-batch run` on the same rows (the same job, the rows in a file)."""
+    write_jsonl(tmp_path / "rows.jsonl", rows)
+    job = load_job(DEMO)
+    job = job.model_copy(update={"input": job.input.model_copy(update={"paths": [str(tmp_path / "rows.jsonl")]}),
+                                 "output": job.output.model_copy(update={"dir": str(tmp_path / "ref")})})
+    run_job(job, build_engine, Shard(0, 1), progress=False)
+    return read_out(tmp_path / "ref")
+
+
+@pytest.mark.slow
+def test_a_ray_pipeline_equals_dflash_batch_run_and_a_rerun_generates_nothing(tmp_path, local_ray):
+    rows = _prompts(24)
+    out = _pipeline(rows, tmp_path / "out")
+    expected = _by_key(_reference(tmp_path, rows))
+    assert len(expected) == 24 and max(_keys(out).values()) == 1
+    assert _by_key(out) == expected
+    assert _by_key(read_out(tmp_path / "out")) == expected and max(_keys(read_out(tmp_path / "out")).values()) == 1
+    parts = sorted((tmp_path / "out" / "data").rglob("part-*.parquet"))
+    assert _by_key(_pipeline(rows, tmp_path / "out")) == expected  # rows read back, none generated
+    assert sorted((tmp_path / "out" / "data").rglob("part-*.parquet")) == parts
+
+
+@pytest.mark.slow
+def test_an_actor_killed_after_committing_is_replaced_and_every_row_is_once(tmp_path, local_ray):
+    rows = _prompts(24)
+    out = _pipeline(rows, tmp_path / "out", DiesAfterItsFirstCommit)
+    assert (tmp_path / "killed").exists()
+    committed = read_out(tmp_path / "out")
+    assert set(_keys(out)) == set(_keys(committed)) == {(r["id"], 0) for r in rows}
+    assert max(_keys(out).values()) == 1 and max(_keys(committed).values()) == 1
+    assert _by_key(out) == _by_key(committed)
