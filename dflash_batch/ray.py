@@ -35,17 +35,12 @@ from dflash_batch.api import as_job
 from dflash_batch.engine.request import Engine
 from dflash_batch.io.inputs import Record
 from dflash_batch.io.ledger import key_hash, lock_run, part_files, shard_dir, shard_lock
-from dflash_batch.io.outputs import (
-    RESERVED,
-    atomic_write_bytes,
-    part_metadata,
-    rows_to_table,
-)
+from dflash_batch.io.outputs import atomic_write_bytes, part_metadata, rows_to_table
 from dflash_batch.job import Job, JobError, check_model_paths
 from dflash_batch.keys import Shard
 from dflash_batch.output_rows import RowDecoder
 from dflash_batch.plan.rows import RowPreparer
-from dflash_batch.runner import EngineFactory, open_tokenizer
+from dflash_batch.runner import EngineFactory, check_passthrough, open_tokenizer
 
 SHARD = Shard(0, 1)  # a Ray stage's run is one shard: its rows are dealt out by Ray, not by a hash
 RAY_INPUT = "<a Ray dataset>"  # the run's input.paths (run.json): `status` knows such a run by it
@@ -69,9 +64,9 @@ class DFlashStage:
             update["output"] = job.output.model_copy(update={"dir": str(self.out_dir)})
         self.job = job = job.model_copy(update=update)
         check_model_paths(job.model)
-        for col in job.input.passthrough_columns:
-            if col in RESERVED:
-                raise JobError(f"input.passthrough_columns: {col!r} collides with an output column")
+        check_passthrough(job)
+        if job.retry is not None:
+            raise JobError("retry: a retry run reads its parent's input files again; run it with `dflash-batch run`")
         if job.model.tensor_parallel_size > 1:
             raise JobError("model.tensor_parallel_size > 1 is not supported in a Ray stage yet: one actor "
                            "holds one rank; run such a model with `dflash-batch run` (torchrun or srun)")

@@ -159,10 +159,15 @@ def check_job(job: Job) -> None:
     paths first (a typo named by its field), then the output columns, the input files and their
     columns."""
     check_model_paths(job.model)
+    check_passthrough(job)
+    check_inputs(job.input)
+
+
+def check_passthrough(job: Job) -> None:
+    """No input column the job passes through may take an output column's name."""
     for col in job.input.passthrough_columns:
         if col in RESERVED:
             raise JobError(f"input.passthrough_columns: {col!r} collides with an output column")
-    check_inputs(job.input)
 
 
 def open_tokenizer(job: Job) -> tuple[Tokenizer, Delimiters | None]:

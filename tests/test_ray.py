@@ -81,11 +81,15 @@ def test_a_commit_leaves_out_rows_another_writer_committed(tmp_path):
     assert max(_keys(read_out(tmp_path / "out")).values()) == 1
 
 
-def test_committing_needs_row_ids_and_flowing_on_does_not(tmp_path):
+def test_committing_needs_row_ids_a_retry_is_refused_and_flowing_on_needs_neither(tmp_path):
     doc = load_job(DEMO).model_dump(mode="json")
     doc["input"]["id_column"] = None
     with pytest.raises(JobError, match="input.id_column"):
         DFlashStage(doc, output_dir=tmp_path / "out")
+    retry = {**load_job(DEMO).model_dump(mode="json"), "retry": {"parent": "p", "parent_hash": "h", "samples": "s",
+                                                                  "where": ["error"]}}
+    with pytest.raises(JobError, match="retry"):
+        DFlashStage(retry, output_dir=tmp_path / "out")
     stage = DFlashStage(doc)  # rows only flow on: nothing is written
     rows = [{k: v for k, v in r.items() if k != "id"} for r in _prompts(2)]
     out = stage(pa.Table.from_pylist(rows)).to_pylist()
