@@ -19,8 +19,10 @@ from pathlib import Path
 import orjson
 import pyarrow as pa
 import pytest
+from click.testing import CliRunner
 
 from dflash_batch.build import build_engine
+from dflash_batch.cli import main
 from dflash_batch.io.inputs import Record
 from dflash_batch.job import JobError, load_job
 from dflash_batch.plan.shards import Shard
@@ -59,6 +61,11 @@ def test_bad_rows_are_error_rows_and_a_batch_seen_again_generates_nothing(tmp_pa
     assert status["no-messages"] == status["too-long"] == "error"
     assert all(r["error"] for r in out if r["status"] == "error")
     assert _by_key(read_out(tmp_path / "out")) == _by_key(out)
+    status = CliRunner().invoke(main, ["status", str(tmp_path / "out")])
+    assert status.exit_code == 0 and "3 ok, 2 error" in status.output
+    assert "rows from a Ray Data pipeline: run it again" in status.output and "dflash-batch run" not in status.output
+    report = CliRunner().invoke(main, ["report", str(tmp_path / "out")])
+    assert report.exit_code == 0 and "## Acceptance" in report.output
 
     # The same rows again (a Ray retry, a restarted pipeline): read back, nothing generated.
     generated = []
