@@ -19,6 +19,11 @@ import torch
 
 import kernels
 from dflash_batch import parallel
+
+if not hasattr(kernels, "ops"):  # another distribution's top-level `kernels` was found before this repository's
+    raise ImportError(f"`import kernels` found {kernels.__file__}, not dflash-batch's kernels/ (Hugging Face's "
+                      "`kernels` package, which transformers >= 5.25 installs, takes the name): "
+                      "pip uninstall kernels, or use transformers < 5.25")
 from dflash_batch.backends.meta import AttentionBackend, Ring
 from dflash_batch.backends.torch_attention import TORCH
 from dflash_batch.engine.batch import DecodeBatch
