@@ -5,12 +5,14 @@ Three pairs: (a) the demo pair (jobs/demo/models) on the demo job's word problem
 Qwen3 with a random DFlash drafter, which almost never agrees with it (acceptance ~0); (c) its
 constant-head twin, the same weights with the head zeroed, so the target always picks token 0
 and so does the drafter (every draft accepted). For batch sizes 1, 4, 16 and 64 (max_num_seqs),
-max(2 x batch, 8) requests are decoded greedily by one engine, the modes in turn. Each timed
+max(2 x batch, --min-requests) requests are decoded greedily by one engine, the modes in turn. Each timed
 run follows a one-request generate of its bucket (untimed: allocation, and the first time, auto's
 round costs timed on padding rows); auto's acceptance is then forgotten, so the timed run learns
-it as a run would. Medians over --repeats.
+it as a run would. Medians over --repeats; "spread" is (max - min) / median of auto's and the
+best fixed k's repeats, the larger: ratios closer to 1 than it are within the noise.
 
 usage: python benchmarks/spec_schedule.py [--repeats 3] [--threads 1] [--max-new-tokens 64] [--pairs a,b,c]
+                                          [--batches 1,4,16,64] [--min-requests 8]
 """
 
 from __future__ import annotations
@@ -63,13 +65,6 @@ def tiny_pairs(directory: Path) -> dict[str, tuple]:
     return out
 
 
-def forget(schedule) -> None:
-    """What the warm-up taught auto but its round costs: the timed run learns the acceptance."""
-    schedule.restart()
-    schedule.off = False
-    schedule.rounds.clear()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", type=Path, default=ROOT / "jobs/demo/models")
@@ -78,6 +73,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--pairs", default="a,b,c")
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    ap.add_argument("--min-requests", type=int, default=8)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     pairs = {}
@@ -99,10 +95,10 @@ def main() -> None:
 
         print(f"\n{name}: greedy tokens/s, median of {args.repeats}")
         print(f"{'batch':>5} " + " ".join(f"{f'k={k}':>6}" for k in FIXED) + f" {'auto':>6} {'best k':>6} "
-              f"{'auto/best':>9} {'auto/on':>7} {'auto/off':>8}  auto's k (share of rounds)")
+              f"{'auto/best':>9} {'auto/on':>7} {'auto/off':>8} {'spread':>6}  auto's k (share of rounds)")
         engine = Engine(target, drafter)  # one engine: a bucket of the same shape keeps its caches
         for batch in map(int, args.batches.split(",")):
-            count = max(2 * batch, 8)
+            count = max(2 * batch, args.min_requests)
             modes = [*FIXED, "auto"]
             buckets = {mode: Bucket(0, f"{mode}", 1024, batch, "auto" if mode == "auto" else mode > 0, None,
                                     mode if mode not in (0, 7, "auto") else None) for mode in modes}
@@ -114,7 +110,7 @@ def main() -> None:
                     # Warm-up: the bucket's shape allocated (auto's: the always-on bucket's, the same).
                     decode(engine, buckets[7 if mode == "auto" else mode], 1)
                     if mode == "auto":
-                        forget(engine.schedules["auto"])
+                        engine.schedules["auto"].forget_run()
                     runs[mode].append(decode(engine, buckets[mode], count)[0])
             rates = {mode: statistics.median(r) for mode, r in runs.items()}
             schedule = engine.schedules["auto"]
@@ -126,9 +122,10 @@ def main() -> None:
                 " (then off)" if schedule.off else "")
             engine.schedules.clear()  # the next batch size is a new bucket
             best = max(FIXED, key=rates.get)
+            spread = max((max(runs[m]) - min(runs[m])) / rates[m] for m in (best, "auto"))
             print(f"{batch:>5} " + " ".join(f"{rates[k]:>6.0f}" for k in FIXED) + f" {rates['auto']:>6.0f} {best:>6} "
                   f"{rates['auto'] / rates[best]:>9.2f} {rates['auto'] / rates[7]:>7.2f} "
-                  f"{rates['auto'] / rates[0]:>8.2f}  {picks}", flush=True)
+                  f"{rates['auto'] / rates[0]:>8.2f} {spread:>6.2f}  {picks}", flush=True)
 
 
 if __name__ == "__main__":

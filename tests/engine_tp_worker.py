@@ -24,7 +24,7 @@ from tests.emulated_graphs import EmulatedGraphs
 
 
 def generate(target_dir: str, drafter_dir: str, prompts: list[list[int]], sampling: dict,
-             graphs: bool = False, device: str = "cpu") -> list[dict]:
+             graphs: bool = False, device: str = "cpu", speculation: bool | str = True) -> list[dict]:
     """Speculative decoding of every prompt (seed 1000 + index): tokens and accepted drafts per round.
     The target taps the drafter's layers on the drafter's aux_hidden_stream, as build_engine does.
     `graphs`: rounds go through the engine's graph path, captured and replayed as CUDA graphs on a
@@ -34,7 +34,7 @@ def generate(target_dir: str, drafter_dir: str, prompts: list[list[int]], sampli
     target, drafter = load_model(target_dir, torch.float64, device), load_model(drafter_dir, torch.float64, device)
     attach_drafter(target, drafter)
     reqs = [Request((str(i), 0), p, SamplingParams(seed=1000 + i, **sampling)) for i, p in enumerate(prompts)]
-    bucket = Bucket(0, "0-1024", 1024, 16, True, None)
+    bucket = Bucket(0, "0-1024", 1024, 16, speculation, None)
     engine_module.RoundGraphs = EmulatedGraphs if graphs and device == "cpu" else RoundGraphs
     graph_args = dict(cuda_graphs=True, capture_sizes=[1, 2, 4, 16]) if graphs else {}
     done = {c.key: c for c in Engine(target, drafter, dtype=torch.float64, device=device, **graph_args).generate(reqs, bucket)}
@@ -43,7 +43,9 @@ def generate(target_dir: str, drafter_dir: str, prompts: list[list[int]], sampli
 
 def run(rank: int, world_size: int, port: int, target_dir: str, drafter_dir: str,
         prompts: list[list[int]], runs: dict[str, dict], out_dir: str, graphs: bool = False,
-        device: str = "cpu") -> None:
+        device: str = "cpu", costs_by_rank: list[list[float]] | None = None) -> None:
+    """`costs_by_rank`: an auto bucket (speculation: auto) whose round costs each rank reads from
+    here (seconds by verify width) instead of timing them."""
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)  # two ranks share a small CPU
@@ -54,7 +56,11 @@ def run(rank: int, world_size: int, port: int, target_dir: str, drafter_dir: str
     dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=60))
     try:
-        results = {name: generate(target_dir, drafter_dir, prompts, s, graphs, device) for name, s in runs.items()}
+        if costs_by_rank is not None:
+            Engine._time_round = lambda self, *args: costs_by_rank[rank][args[-1] - 1]
+        speculation = True if costs_by_rank is None else "auto"
+        results = {name: generate(target_dir, drafter_dir, prompts, s, graphs, device, speculation)
+                   for name, s in runs.items()}
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -75,3 +81,18 @@ def assert_tp2_equals_tp1(target_dir: str, drafter_dir: str, prompts: list[list[
         got = torch.load(Path(out_dir) / f"rank{rank}.pt", map_location="cpu")
         for name in runs:
             assert got[name] == expected[name], f"rank {rank}, {name}"
+
+
+def assert_auto_ranks_agree(target_dir: str, drafter_dir: str, prompts: list[list[int]], out_dir: str,
+                            port: int, costs_by_rank: list[list[float]]) -> None:
+    """An auto bucket on two gloo ranks whose round costs disagree: both ranks verify the drafts
+    rank 0 plans (the same accepted drafts every round) and decode what one process decodes."""
+    import torch.multiprocessing as mp
+
+    expected = generate(target_dir, drafter_dir, prompts, {"max_new_tokens": 24})
+    mp.spawn(run, args=(2, port, target_dir, drafter_dir, prompts, {"greedy": {"max_new_tokens": 24}}, out_dir,
+                        False, "cpu", costs_by_rank), nprocs=2)
+    got = [torch.load(Path(out_dir) / f"rank{rank}.pt")["greedy"] for rank in range(2)]
+    assert got[0] == got[1], "the ranks verified different drafts"
+    assert any(n for r in got[0] for n in r["per_round"]), "rank 1's plan (verify none) was followed"
+    assert [r["tokens"] for r in got[0]] == [r["tokens"] for r in expected]

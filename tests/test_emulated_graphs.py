@@ -106,8 +106,8 @@ CYCLE = [7, 2, 0, 5, 1, 3, 6, 4]  # k of round i
 def test_every_verify_width_replays_its_own_graph(qwen3, monkeypatch, sampling):
     """An auto bucket whose k changes every round (engine/schedule.py): each width's graph ==
     eager at that width, round for round (a replay at the wrong width would keep drafts past k)."""
-    monkeypatch.setattr(engine_module.Schedule, "drafts", lambda self, n: CYCLE[self.total_rounds % 8])
-    monkeypatch.setattr(Engine, "_why_stop", lambda *args: None)
+    monkeypatch.setattr(engine_module.Schedule, "plan", lambda self, n: CYCLE[self.total_rounds % 8])
+    monkeypatch.setattr(engine_module.Schedule, "why_stop", lambda *args: None)
     want = outcomes(Engine(*qwen3, dtype=F64), sampling, "auto")
     monkeypatch.setattr(engine_module, "RoundGraphs", CountedGraphs)
     monkeypatch.setattr(CountedGraphs, "replays", 0)

@@ -25,3 +25,14 @@ def test_tp2_engine_matches_tp1(tmp_path):
     make_drafter(drafter, 2, block_size=8)
     prompts = random_prompts([1, 37, 120, 300], seed=6)
     engine_tp_worker.assert_tp2_equals_tp1(str(target), str(drafter), prompts, RUNS, str(tmp_path), free_port())
+
+
+def test_tp2_auto_follows_rank_0s_plan(tmp_path):
+    """speculation: auto under TP2, where rank 0's cost table says verify every draft (a flat
+    cost) and rank 1's says verify none: one broadcast a round makes rank 0's plan the group's
+    (a rank that followed its own would run other shapes and its collectives would fail)."""
+    target, drafter = make_target(tmp_path / "target"), tmp_path / "drafter"
+    make_drafter(drafter, 2, block_size=8)
+    prompts = random_prompts([1, 37, 120], seed=6)
+    costs = [[1.0] * 8, [1.0] + [100.0] * 7]
+    engine_tp_worker.assert_auto_ranks_agree(str(target), str(drafter), prompts, str(tmp_path), free_port(), costs)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 from pathlib import Path
 
 import pytest
@@ -61,8 +62,8 @@ CYCLE = [7, 2, 0, 5, 1, 3, 6, 4]  # k of round i: CYCLE[i % 8]
 @pytest.mark.parametrize("family", ["qwen3", "kimi"])
 def test_k_changing_from_round_to_round_changes_no_token(pairs, family, monkeypatch):
     """Greedy and sampled (the same coins as target-only), sequences joining and leaving."""
-    monkeypatch.setattr(schedule_module.Schedule, "drafts", lambda self, n: CYCLE[self.total_rounds % 8])
-    monkeypatch.setattr(Engine, "_why_stop", lambda *args: None)  # auto, never off
+    monkeypatch.setattr(schedule_module.Schedule, "plan", lambda self, n: CYCLE[self.total_rounds % 8])
+    monkeypatch.setattr(schedule_module.Schedule, "why_stop", lambda *args: None)  # auto, never off
     target, drafter = pairs[family]
     prompts = random_prompts(LENGTHS, vocab=vocab_of(family), seed=5)
     for params in (dict(max_new_tokens=24), dict(max_new_tokens=24, temperature=1.0, top_p=0.9)):
@@ -86,7 +87,7 @@ def test_expected_tokens_are_the_definition():
             a += 1
         rounds.append(a)
     for k, a in zip(itertools.cycle([4, 4, 2, 3]), rounds):
-        acc.record(min(a, k), k)
+        acc.record([min(a, k)], k)
     for k in range(5):
         # Brute force: each position's rate from the rounds that tried it.
         chain, want = 1.0, 1.0
@@ -103,11 +104,29 @@ def test_each_positions_window_slides():
     would still say 50/58), while the later positions keep what they last saw."""
     acc = Acceptance(drafts=3, window=8)
     for _ in range(50):
-        acc.record(3, 3)
+        acc.record([3], 3)
     for _ in range(8):
-        acc.record(0, 3)
+        acc.record([0], 3)
     assert acc.rates() == [0.0, 1.0, 1.0]
     assert acc.expected_tokens(3) == 1.0
+
+
+def test_a_window_of_whole_rounds_keeps_the_last_trials_one_by_one():
+    """Rounds of many sequences recorded at once: each position's rate is that of its last
+    `window` trials, as a list of single trials says (a round's hits taken as its oldest)."""
+    rng = random.Random(0)
+    acc, window = Acceptance(drafts=5, window=12), 12
+    trials = [[] for _ in range(5)]  # the oracle: position j's trials, oldest first
+    for _ in range(300):
+        k = rng.randint(1, 5)
+        accepted = [min(rng.choice([0, 0, 1, 2, 5, 5]), k) for _ in range(rng.randint(1, 9))]
+        acc.record(accepted, k)
+        for j in range(k):
+            tried = [a for a in accepted if a >= j]
+            trials[j] += sorted((int(a > j) for a in tried), reverse=True)
+        want = [sum(t[-window:]) / len(t[-window:]) if t else None for t in trials]
+        assert acc.rates() == pytest.approx(want, rel=1e-12)
+        assert acc.samples == min(len(trials[0]), window)
 
 
 def test_the_decision_is_the_best_rate_by_brute_force():
@@ -116,7 +135,7 @@ def test_the_decision_is_the_best_rate_by_brute_force():
     s.time_rounds(lambda size, width: times[size][width - 1])
     assert s.drafts(5) == 3  # exploring: the whole block until EXPLORE sequence-rounds
     for _ in range(40):
-        s.acceptance.record(1, 3)  # every first draft accepted, no second
+        s.acceptance.record([1], 3)  # every first draft accepted, no second
     for n, size in ((1, 1), (5, 8), (40, 64), (64, 64)):
         best = max(range(4), key=lambda k: s.acceptance.expected_tokens(k) / times[size][k])
         assert s.drafts(n) == best

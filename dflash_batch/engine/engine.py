@@ -32,7 +32,7 @@ from dflash_batch.engine.graphs import RoundGraphs
 from dflash_batch.engine.queue import Queue
 from dflash_batch.engine.request import Completion, Logprobs, Request
 from dflash_batch.engine.round import ERROR, Round
-from dflash_batch.engine.schedule import Schedule
+from dflash_batch.engine.schedule import NOWHERE, Schedule
 from dflash_batch.engine.sampling import (add_bias_, choose_tokens, hold_stops_, log_probs, mask_disallowed_,
                                           penalize_)
 from dflash_batch.engine.sequence import Sequence
@@ -149,9 +149,10 @@ class Engine:
                         finished = [s for s in finished if s.finish_reason]
                     else:
                         size = self._padded(max(i for i, s in enumerate(q.running) if s is not None) + 1)
-                        k = block - 1 if schedule is None else schedule.drafts(size)
+                        plan = block - 1 if schedule is None else schedule.plan(size)
                         if schedule is not None and schedule.pinned is None:
-                            k = parallel.agreed(k)  # each rank timed its own rounds
+                            plan = parallel.agreed(plan)  # each rank timed its own rounds
+                        k = max(plan, 0)
                         started = time.perf_counter()
                         accepted = self._round(batch, q.running, step, graphs, block, k + 1)
                         finished = [s for s in involved if s.finish_reason]
@@ -160,7 +161,7 @@ class Engine:
                             schedule.record(size, k, time.perf_counter() - started,
                                             [a for a, seq in accepted if not seq.finish_reason])
                             if schedule.pinned is None:
-                                switch = self._why_stop(schedule)
+                                switch = schedule.why_stop(plan == NOWHERE)
                 except Exception as error:  # noqa: BLE001 - any failure: decide what it costs
                     involved += [f for s in involved for f in s.followers]  # they wait on it
                     finished = self._recover(error, involved, q, batch, bucket)
@@ -314,18 +315,6 @@ class Engine:
             step(batch, size, True, batch.block, width)
         sync()
         return time.perf_counter() - started
-
-    @staticmethod
-    def _why_stop(schedule: Schedule) -> str | None:
-        """Why an auto bucket stops speculating after this round (None: it goes on): the whole
-        block's acceptance length below the floor, or drafts that pay at no batch size."""
-        full = schedule.acceptance.expected_tokens(schedule.block - 1)
-        if schedule.below_floor():
-            return (f"acc_len {full:.2f} over the last {schedule.acceptance.samples} sequence-rounds < "
-                    f"{schedule.min_acc_len}")
-        if parallel.agreed(int(schedule.pays_nowhere())):  # each rank timed its own rounds
-            return f"the drafts pay at no batch size (acc_len {full:.2f} at the whole block, round costs timed here)"
-        return None
 
     def _stop_speculating(self, bucket: Bucket, q: Queue, batch: DecodeBatch, pages_per_row: int,
                           why: str) -> tuple[DecodeBatch, Round, RoundGraphs | None] | None:

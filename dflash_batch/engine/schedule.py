@@ -26,58 +26,87 @@ stats.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 EXPLORE = 32  # sequence-rounds verified at the whole block before any decision
 EARLY = 8  # ... unless after this many even an optimistic estimate says the drafts pay nowhere
 REFRESH = 0.2  # weight of a round's own time in its batch size's correction
+NOWHERE = -1  # a round's plan: the drafts pay at no batch size (Schedule.plan)
 
 
 @dataclass
 class Acceptance:
-    """Per-position acceptance over sliding windows of trials."""
+    """Per-position acceptance over sliding windows of trials. A position's window is a queue of
+    rounds, [trials, hits] each; the sequences of one round are simultaneous, so the window drops
+    a round's trials as if its hits came first."""
     drafts: int  # the block's drafts, B - 1
     window: int
-    trials: list[deque] = field(init=False)
-    hits: list[int] = field(init=False)
+    rounds: list[deque] = field(init=False)  # per position: [trials, hits] of each round, oldest first
+    tried: list[int] = field(init=False)     # per position: trials in its window
+    hits: list[int] = field(init=False)      # ... and the accepted among them
 
     def __post_init__(self) -> None:
-        self.trials = [deque() for _ in range(self.drafts)]
+        self.rounds = [deque() for _ in range(self.drafts)]
+        self.tried = [0] * self.drafts
         self.hits = [0] * self.drafts
 
-    def record(self, accepted: int, verified: int) -> None:
-        """One sequence-round that verified `verified` drafts and accepted `accepted` of them."""
-        for j in range(min(accepted + 1, verified)):
-            hit = int(j < accepted)
-            self.trials[j].append(hit)
-            self.hits[j] += hit
-            if len(self.trials[j]) > self.window:
-                self.hits[j] -= self.trials[j].popleft()
+    def record(self, accepted: list[int], verified: int) -> None:
+        """One round that verified `verified` drafts a sequence; `accepted`: the drafts each of
+        its sequences kept. A sequence that kept a is a trial of positions 1 .. min(a + 1, verified),
+        accepted at the first a."""
+        reached = [0] * (verified + 1)  # reached[j]: sequences that kept at least j drafts
+        for a, n in Counter(accepted).items():
+            reached[a] += n
+        for j in range(verified - 1, -1, -1):
+            reached[j] += reached[j + 1]
+        for j in range(verified):
+            if reached[j]:
+                self._add(j, reached[j], reached[j + 1])
+
+    def _add(self, j: int, trials: int, hits: int) -> None:
+        rounds = self.rounds[j]
+        rounds.append([trials, hits])
+        self.tried[j] += trials
+        self.hits[j] += hits
+        while self.tried[j] > self.window:  # drop the oldest trials, a round's hits first
+            oldest = rounds[0]
+            drop = min(oldest[0], self.tried[j] - self.window)
+            dropped_hits = min(drop, oldest[1])
+            oldest[0] -= drop
+            oldest[1] -= dropped_hits
+            self.tried[j] -= drop
+            self.hits[j] -= dropped_hits
+            if not oldest[0]:
+                rounds.popleft()
 
     @property
     def samples(self) -> int:
         """Trials of the first draft (one per sequence-round that verified any), up to the window."""
-        return len(self.trials[0]) if self.drafts else 0
+        return self.tried[0] if self.drafts else 0
 
     def rates(self) -> list[float | None]:
         """P(draft j accepted | drafts before it accepted), j = 1 .. B - 1 (None: never tried)."""
-        return [h / len(t) if t else None for h, t in zip(self.hits, self.trials)]
+        return [h / t if t else None for h, t in zip(self.hits, self.tried)]
 
-    def expected_tokens(self, k: int, optimistic: bool = False) -> float:
-        """Tokens a round yields verifying k drafts: 1 + sum over j <= k of P(first j accepted).
-        `optimistic`: each rate as if the next trial were accepted, (hits + 1) / (trials + 1), and
-        a position never tried as likely as the one before it."""
-        total, chain, rate = 1.0, 1.0, 1.0
-        for h, t in list(zip(self.hits, self.trials))[:k]:
+    def expected(self, optimistic: bool = False) -> list[float]:
+        """Tokens a round yields verifying k drafts, for k = 0 .. B - 1: 1 + sum over j <= k of
+        P(first j accepted). `optimistic`: each rate as if the next trial were accepted,
+        (hits + 1) / (trials + 1), and a position never tried as likely as the one before it."""
+        out, total, chain, rate = [1.0], 1.0, 1.0, 1.0
+        for h, t in zip(self.hits, self.tried):
             if optimistic:
-                rate = (h + 1) / (len(t) + 1) if t else rate
+                rate = (h + 1) / (t + 1) if t else rate
             else:
-                rate = h / len(t) if t else 0.0
+                rate = h / t if t else 0.0
             chain *= rate
             total += chain
-        return total
+            out.append(total)
+        return out
+
+    def expected_tokens(self, k: int) -> float:
+        return self.expected()[k]
 
 
 class Schedule:
@@ -121,9 +150,27 @@ class Schedule:
             return self.block - 1
         return self.best(self.size_of(n))
 
+    def plan(self, n: int) -> int:
+        """The round of n rows' k, or NOWHERE: the drafts pay at no batch size, so it verifies
+        none and the bucket stops speculating after it. One number, so that under TP one
+        broadcast makes rank 0's plan the group's (each rank timed its own rounds)."""
+        return NOWHERE if self.pays_nowhere() else self.drafts(n)
+
+    def why_stop(self, nowhere: bool) -> str | None:
+        """Why an auto bucket stops speculating after this round (None: it goes on): the whole
+        block's acceptance length below the floor, or (`nowhere`, the round's plan) drafts that
+        pay at no batch size."""
+        full = self.acceptance.expected_tokens(self.block - 1)
+        if self.below_floor():
+            return f"acc_len {full:.2f} over the last {self.acceptance.samples} sequence-rounds < {self.min_acc_len}"
+        if nowhere:
+            return f"the drafts pay at no batch size (acc_len {full:.2f} at the whole block, round costs timed here)"
+        return None
+
     def best(self, size: int, optimistic: bool = False) -> int:
         """The k with the most expected tokens per second at this size (the smaller k on a tie)."""
-        rate = [self.acceptance.expected_tokens(k, optimistic) / self.cost(size, k) for k in range(self.block)]
+        tokens = self.acceptance.expected(optimistic)
+        rate = [tokens[k] / self.cost(size, k) for k in range(self.block)]
         return max(range(self.block), key=lambda k: (rate[k], -k))
 
     def below_floor(self) -> bool:
@@ -136,6 +183,15 @@ class Schedule:
     def restart(self) -> None:
         """Measure the acceptance again from nothing (after a switch that could not be made)."""
         self.acceptance = Acceptance(self.block - 1, self.window)
+
+    def forget_run(self) -> None:
+        """All but the cost table: a later run learns its acceptance and its rounds anew."""
+        self.restart()
+        self.off = False
+        self.correction.clear()
+        self.rounds.clear()
+        self.changes.clear()
+        self.total_rounds, self.k = 0, None
 
     def pays_nowhere(self) -> bool:
         """Measured, no batch size gains from the drafts: the smallest would verify none (while
@@ -154,8 +210,7 @@ class Schedule:
             self.changes.append((self.total_rounds, size, k))
             self.k = k
         self.total_rounds += 1
-        for a in accepted:
-            self.acceptance.record(a, k)
+        self.acceptance.record(accepted, k)
         if size in self.costs:
             miss = seconds - self.costs[size][k]
             self.correction[size] = (1 - REFRESH) * self.correction.get(size, miss) + REFRESH * miss
@@ -165,8 +220,8 @@ class Schedule:
         rates = self.acceptance.rates()
         return {
             "block_size": self.block, "mode": "auto" if self.pinned is None else f"drafts {self.pinned}",
-            "acceptance_by_position": rates, "trials_by_position": [len(t) for t in self.acceptance.trials],
-            "expected_tokens": [self.acceptance.expected_tokens(k) for k in range(self.block)],
+            "acceptance_by_position": rates, "trials_by_position": list(self.acceptance.tried),
+            "expected_tokens": self.acceptance.expected(),
             "cost_ms": {str(s): [round(1e3 * self.cost(s, k), 3) for k in range(self.block)] for s in self.costs},
             "rounds_by_k": {str(s): {str(k): c for k, c in sorted(by.items())} for s, by in sorted(self.rounds.items())},
             "changes": self.changes[-200:],  # (round, batch size, k): the last 200
