@@ -245,3 +245,37 @@ def test_tools_column_reaches_the_chat_template(tmp_path, model_dir):
     assert rows["b"]["rendered_prompt"] == "hi"
     assert (rows["c"]["error_type"], rows["c"]["error"]) == ("bad_prompt_type",
                                                              "column 'tools' must be a list of tool objects")
+
+
+def test_the_progress_bar_shows_the_k_of_the_last_round(tmp_path, model_dir, monkeypatch):
+    """An auto bucket's bar carries `k`, the drafts its engine's last round verified, as it
+    changes; once speculation is off it shows none."""
+    from dflash_batch import output_rows
+    from dflash_batch.engine.schedule import Schedule
+    from tests.fake_engine import FakeEngine
+
+    shown = []
+
+    class Bar:
+        def __init__(self, *args, **kwargs): ...
+        def update(self, n): ...
+        def close(self): ...
+        def set_postfix(self, post, refresh=True):
+            shown.append(post.get("k"))
+
+    class Scheduled(FakeEngine):  # each completion follows a round of the next (k, off)
+        def generate(self, requests, bucket):
+            rounds = iter([(7, False), (3, False), (3, False), (0, False), (5, False), (5, True)])
+            schedule = Schedule(block=8, sizes=[1], window=8, pinned=None)
+            self.schedules = {bucket.name: schedule}
+            for c in super().generate(requests, bucket):
+                schedule.k, schedule.off = next(rounds)
+                yield c
+
+    clock = iter(range(0, 1000, 1))  # a second between reads: the bar is redrawn every row
+    monkeypatch.setattr(output_rows, "tqdm", Bar)
+    monkeypatch.setattr(output_rows.time, "monotonic", lambda: next(clock))
+    write_jsonl(tmp_path / "p.jsonl", [{"id": f"r{i}", "prompt": f"{i} plus 1?"} for i in range(6)])
+    job = write_job(tmp_path, base_job(model_dir, ["p.jsonl"], sampling={"max_new_tokens": 4}))
+    run_job(job, lambda job, tok: Scheduled(tok), ONE, progress=True)
+    assert shown == [7, 3, 3, 0, 5, None]
