@@ -347,11 +347,10 @@ def status(out_dir: str) -> None:
     inputs) and per bucket, from the committed files of OUT_DIR; which shards are running (their
     progress files), which are incomplete, and the command that finishes them."""
     from dflash_batch.io.inputs import input_fingerprint
-    from dflash_batch.io.ledger import (array_spec, count_committed, duplicate_keys, lock_path, shard_finished,
-                                        shard_states)
+    from dflash_batch.io.ledger import (RAY_INPUT, array_spec, count_committed, duplicate_keys, lock_path,
+                                        shard_finished, shard_states)
     from dflash_batch.io.progress import describe_live, live_state, lock_held, read_progress, resume_lines
     from dflash_batch.plan.expected import shard_plan
-    from dflash_batch.ray import RAY_INPUT
 
     out = Path(out_dir)
     run_file = out / "run.json"
@@ -366,19 +365,19 @@ def status(out_dir: str) -> None:
     from_ray = run_record["job"]["input"]["paths"] == [RAY_INPUT]
     if from_ray:  # its rows are known to the pipeline, not to a file
         states = ["ray" if d else "not started" for d in done]
-    try:  # each shard's rows once complete, counted from local inputs (cached in OUT_DIR)
-        if from_ray:
-            raise JobError("its rows come from a Ray Data pipeline (dflash_batch.ray)")
-        job = Job.model_validate(run_record["job"])
-        inputs = input_fingerprint(job.input)
-        if inputs is not None:
-            expected = shard_plan(out, job, num_shards, inputs)
-            # Complete by count, or because its run got through these very inputs (duplicate ids
-            # make the counts disagree); a run's record of an end before the inputs changed is not.
-            states = ["complete" if d >= e or shard_finished(out, i, inputs) else "incomplete" if s == "complete"
-                      else s for i, (d, e, s) in enumerate(zip(done, expected, states))]
-    except Exception as e:  # noqa: BLE001 - inputs gone or moved, a job this version reads otherwise
-        click.echo(f"(expected rows unknown: {e})", err=True)
+        click.echo("(expected rows unknown: its rows come from a Ray Data pipeline (dflash_batch.ray))", err=True)
+    else:
+        try:  # each shard's rows once complete, counted from local inputs (cached in OUT_DIR)
+            job = Job.model_validate(run_record["job"])
+            inputs = input_fingerprint(job.input)
+            if inputs is not None:
+                expected = shard_plan(out, job, num_shards, inputs)
+                # Complete by count, or because its run got through these very inputs (duplicate ids
+                # make the counts disagree); a run's record of an end before the inputs changed is not.
+                states = ["complete" if d >= e or shard_finished(out, i, inputs) else "incomplete" if s == "complete"
+                          else s for i, (d, e, s) in enumerate(zip(done, expected, states))]
+        except Exception as e:  # noqa: BLE001 - inputs gone or moved, a job this version reads otherwise
+            click.echo(f"(expected rows unknown: {e})", err=True)
     records, now = [read_progress(out, i) for i in range(num_shards)], time.time()
     live = [live_state(r, lock_held(lock_path(out, i)), now) for i, r in enumerate(records)]
     # A shard some run worked on (it left a record) is not "not started", even before its first part.

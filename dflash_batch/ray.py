@@ -24,6 +24,7 @@ restart). Without an output directory rows only flow on.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from pathlib import Path
 
 import orjson
@@ -34,8 +35,8 @@ import pyarrow.parquet as pq
 from dflash_batch.api import as_job
 from dflash_batch.engine.request import Engine
 from dflash_batch.io.inputs import Record
-from dflash_batch.io.ledger import key_hash, lock_run, part_files, shard_dir, shard_lock
-from dflash_batch.io.outputs import atomic_write_bytes, part_metadata, rows_to_table
+from dflash_batch.io.ledger import RAY_INPUT, key_hash, lock_run, part_files, shard_dir, shard_lock
+from dflash_batch.io.outputs import PartWriter, part_metadata, rows_to_table
 from dflash_batch.job import Job, JobError, check_model_paths
 from dflash_batch.keys import Shard
 from dflash_batch.output_rows import RowDecoder
@@ -43,7 +44,6 @@ from dflash_batch.plan.rows import RowPreparer
 from dflash_batch.runner import EngineFactory, check_passthrough, open_tokenizer
 
 SHARD = Shard(0, 1)  # a Ray stage's run is one shard: its rows are dealt out by Ray, not by a hash
-RAY_INPUT = "<a Ray dataset>"  # the run's input.paths (run.json): `status` knows such a run by it
 
 
 class DFlashStage:
@@ -121,16 +121,12 @@ class DFlashStage:
         with shard_lock(self.out_dir, SHARD.index, wait=True):
             self._learn_committed()
             rows = [r for r in rows if key_hash(r["row_id"], r["sample_index"]) not in self.committed]
-            if rows:
-                parts = part_files(self.out_dir, SHARD.index)
-                number = 1 + max((int(p.stem.split("-")[1]) for p in parts), default=-1)
-                path = shard_dir(self.out_dir, SHARD.index) / f"part-{number:06d}.parquet"
-                table = rows_to_table(rows, self.job.input.passthrough_columns, self.rows.optional, self.metadata)
-                sink = pa.BufferOutputStream()
-                compression = None if self.job.output.compression == "none" else self.job.output.compression
-                pq.write_table(table, sink, compression=compression)
-                atomic_write_bytes(path, sink.getvalue().to_pybytes())
-                self._learn_committed()
+            if rows:  # numbered after the parts any writer committed, under the lock
+                writer = PartWriter(shard_dir(self.out_dir, SHARD.index), passthrough=self.job.input.passthrough_columns,
+                                    optional=self.rows.optional, metadata=self.metadata, rows_per_part=len(rows),
+                                    flush_seconds=float("inf"), compression=self.job.output.compression)
+                path = writer.write_part(rows)
+                self._learned(path, [(r["row_id"], r["sample_index"]) for r in rows])
         return rows, path
 
     def _learn_committed(self) -> None:
@@ -138,10 +134,14 @@ class DFlashStage:
         for path in part_files(self.out_dir, SHARD.index) if self.out_dir is not None else []:
             if path not in self.read_parts:
                 t = pq.read_table(path, columns=["row_id", "sample_index"])
-                for r, s in zip(t["row_id"].to_pylist(), t["sample_index"].to_pylist()):
-                    self.committed.add(key_hash(r, s))
-                    self.parts_of.setdefault(r, set()).add(path)
-                self.read_parts.add(path)
+                self._learned(path, zip(t["row_id"].to_pylist(), t["sample_index"].to_pylist()))
+
+    def _learned(self, path: Path, keys: Iterable[tuple[str, int]]) -> None:
+        """The part at `path` holds these (row_id, sample_index)."""
+        for r, s in keys:
+            self.committed.add(key_hash(r, s))
+            self.parts_of.setdefault(r, set()).add(path)
+        self.read_parts.add(path)
 
     def _read_committed(self, ids: set[str], written: Path | None) -> list[pa.Table]:
         """The committed rows of these row ids but those this batch wrote (in `written`)."""

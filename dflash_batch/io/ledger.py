@@ -30,6 +30,8 @@ from dflash_batch.io.spill import duplicates
 from dflash_batch.job import Job, JobError, is_location, is_tuning
 from dflash_batch.keys import Shard, hash64
 
+RAY_INPUT = "<a Ray dataset>"  # a Ray stage's input.paths in run.json (ray.py): `status` knows such a run by it
+
 
 def shard_dir(out_dir: Path, index: int) -> Path:
     return out_dir / "data" / f"shard-{index:05d}"

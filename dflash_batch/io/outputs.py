@@ -187,10 +187,16 @@ class PartWriter:
         self.last_flush = time.monotonic()
         if not self.buffer:
             return
-        table = rows_to_table(self.buffer, self.passthrough, self.optional, self.metadata)
+        self.write_part(self.buffer)
+        self.buffer = []
+
+    def write_part(self, rows: list[dict]) -> Path:
+        """Commit `rows` as the next part; its path."""
+        table = rows_to_table(rows, self.passthrough, self.optional, self.metadata)
         sink = pa.BufferOutputStream()
         pq.write_table(table, sink, compression=self.compression)
-        atomic_write_bytes(self.dir / f"part-{self.next_part:06d}.parquet", sink.getvalue().to_pybytes())
+        path = self.dir / f"part-{self.next_part:06d}.parquet"
+        atomic_write_bytes(path, sink.getvalue().to_pybytes())
         self.next_part += 1
-        self.committed_rows += len(self.buffer)
-        self.buffer = []
+        self.committed_rows += len(rows)
+        return path
