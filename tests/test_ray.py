@@ -1,7 +1,8 @@
 """dflash_batch.ray: the engine as a Ray Data stage.
 
-Without Ray: a batch's bad rows become error rows; a batch seen again generates nothing; a commit
-leaves out rows another writer committed meanwhile; a stage that would commit needs row ids.
+Without Ray: a batch's bad rows become error rows; a batch seen again generates nothing, on the
+same actor or a fresh one (its engine is handed no request); a commit leaves out rows another
+writer committed meanwhile; a stage that would commit needs row ids.
 With a local Ray cluster (2 CPUs, 2 actors): the demo pair over demo prompts through
 map_batches gives every (row, sample) once, equal to `dflash-batch run` on the same rows; the
 pipeline run again generates nothing; an actor killed (`ray.kill`) right after committing a
@@ -27,7 +28,7 @@ from dflash_batch.io.inputs import Record
 from dflash_batch.job import JobError, load_job
 from dflash_batch.plan.shards import Shard
 from dflash_batch.ray import DFlashStage
-from dflash_batch.runner import run_job
+from dflash_batch.runner import EngineFactory, run_job
 from tests.jobs_util import read_out, write_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,6 +47,19 @@ def _keys(rows: list[dict]) -> Counter:
 
 def _by_key(rows: list[dict]) -> dict:
     return {(r["row_id"], r["sample_index"]): {c: r.get(c) for c in COMPARED} for r in rows}
+
+
+def counting_engines(handed: list) -> EngineFactory:
+    """build_engine, whose engines append the key of each request they are handed to `handed`:
+    what a stage generated, whatever its commit then kept."""
+
+    def factory(job, tokenizer):
+        engine = build_engine(job, tokenizer)
+        generate = engine.generate
+        engine.generate = lambda requests, bucket: generate((handed.append(r.key) or r for r in requests), bucket)
+        return engine
+
+    return factory
 
 
 def test_bad_rows_are_error_rows_and_a_batch_seen_again_generates_nothing(tmp_path):
@@ -73,6 +87,17 @@ def test_bad_rows_are_error_rows_and_a_batch_seen_again_generates_nothing(tmp_pa
     again = stage(pa.Table.from_pylist(list(reversed(good + bad)))).to_pylist()
     assert not generated and _by_key(again) == _by_key(out)
     assert len(list((tmp_path / "out" / "data" / "shard-00000").glob("part-*.parquet"))) == 1
+
+    # A fresh actor (Ray retries a batch on a new one; a pipeline restarts) reads what is committed
+    # before it generates: its engine is handed no request. Its output and the parts cannot tell,
+    # as its commit would leave out rows generated again; only the requests counted can.
+    handed = []
+    fresh = DFlashStage(DEMO, output_dir=tmp_path / "out", engine_factory=counting_engines(handed))
+    assert _by_key(fresh(pa.Table.from_pylist(good + bad)).to_pylist()) == _by_key(out)
+    assert handed == []
+    new = _prompts(4)[3]  # and the count sees generation: a new row is handed over once
+    fresh(pa.Table.from_pylist(good + [new]))
+    assert handed == [(new["id"], 0)]
 
 
 def test_a_commit_leaves_out_rows_another_writer_committed(tmp_path):
