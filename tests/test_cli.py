@@ -1,4 +1,5 @@
-"""The command line: run without an engine, status from committed files."""
+"""The command line: run without an engine, status from committed files, ranks a launcher started
+for another tensor-parallel size refused."""
 
 from __future__ import annotations
 
@@ -7,10 +8,13 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from dflash_batch.plan.shards import Shard
 from dflash_batch.runner import run_job
 from tests.fake_engine import fake_factory
 from tests.jobs_util import base_job, write_job, write_jsonl
+from tests.test_tp import free_port
 
 CLI = [sys.executable, "-m", "dflash_batch.cli"]
 
@@ -77,3 +81,28 @@ def test_threads_follow_what_slurm_gives_the_task():
     shared = subprocess.run([sys.executable, "-c", ranks], capture_output=True, text=True, check=True,
                             env={**env, "SLURM_CPUS_ON_NODE": "4"})
     assert shared.stdout.strip() == "2"
+
+
+@pytest.mark.parametrize("launcher, tp", [("torchrun", 1), ("srun", 4)])
+def test_ranks_started_for_another_tensor_parallel_size_are_refused(tmp_path, model_dir, launcher, tp):
+    """Two ranks, as torchrun or srun start them (their variables, two processes meeting over
+    gloo), of a job whose model.tensor_parallel_size is not 2: every rank says so in one line and
+    exits 2 before loading a model (this checkpoint could not be loaded) or writing a row."""
+    write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "hi"}])
+    write_job(tmp_path, base_job(model_dir, ["p.jsonl"], model={"tensor_parallel_size": tp}))
+    launched = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in launched and not k.startswith("SLURM_")}
+    port = str(free_port())
+    if launcher == "torchrun":
+        ranks = [{"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                  "MASTER_PORT": port} for r in range(2)]
+    else:  # srun's variables; the port by hand, as a job may set it (else it derives from the job id)
+        ranks = [{"SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r), "SLURM_JOB_ID": "7",
+                  "SLURM_STEP_NODELIST": "127.0.0.1", "MASTER_PORT": port} for r in range(2)]
+    procs = [subprocess.Popen([*CLI, "run", str(tmp_path / "job.yaml"), "--no-progress"], env={**env, **r},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in ranks]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 2, err[-2000:]
+        assert err.splitlines() == [f"error: started with 2 ranks but model.tensor_parallel_size is {tp}"], err
+    assert not (tmp_path / "out").exists()
