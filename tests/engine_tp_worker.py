@@ -6,6 +6,7 @@ start fast; the parent makes the checkpoints.
 
 from __future__ import annotations
 
+import json
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -76,6 +77,8 @@ def assert_tp2_equals_tp1(target_dir: str, drafter_dir: str, prompts: list[list[
     args = (target_dir, drafter_dir, prompts, runs)
     expected = {name: generate(*args[:3], s, device=device) for name, s in runs.items()}
     assert any(n for r in expected["greedy"] for n in r["per_round"]), "no draft accepted"
+    vocab = json.loads((Path(drafter_dir) / "config.json").read_text())["vocab_size"]  # the pair's
+    assert_every_slice_decoded([t for r in expected["greedy"] for t in r["tokens"]], vocab, 2)
     mp.spawn(run, args=(2, port, *args, out_dir, graphs, device), nprocs=2)
     for rank in range(2):
         got = torch.load(Path(out_dir) / f"rank{rank}.pt", map_location="cpu")
@@ -96,3 +99,13 @@ def assert_auto_ranks_agree(target_dir: str, drafter_dir: str, prompts: list[lis
     assert got[0] == got[1], "the ranks verified different drafts"
     assert any(n for r in got[0] for n in r["per_round"]), "rank 1's plan (verify none) was followed"
     assert [r["tokens"] for r in got[0]] == [r["tokens"] for r in expected]
+
+
+def assert_every_slice_decoded(tokens: list[int], vocab: int, ranks: int) -> None:
+    """Greedy decoding chose tokens from every rank's vocabulary slice (rank r holds ids
+    r * vocab / ranks ..): otherwise a rank whose local ids were taken for global ones (in
+    parallel.sharded_*) could leave every compared token and accepted draft as they were."""
+    local = vocab // ranks
+    missing = sorted(set(range(ranks)) - {t // local for t in tokens})
+    assert not missing, f"no greedy token from the vocabulary slice of rank(s) {missing}: a test model for TP " \
+                        "needs likely tokens in every slice (testing/kimi_pair.py's slices)"

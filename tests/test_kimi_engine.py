@@ -122,9 +122,10 @@ def test_state_slots_start_clean_when_reused(pairs):
 def test_tp2_equals_tp1(tmp_path, graphs):
     # Each rank holds 2 of 4 KDA heads, 2 of 4 MLA heads (target and drafter), half of every
     # expert's intermediate width (32 columns of each packed MXFP4 w2: whole scale groups) and 48
-    # of the 96 vocabulary rows. `graphs`: the ranks run the engine's graph path (captures and
-    # replays emulated: tests/emulated_graphs.py), against one process decoding eagerly.
-    target, drafter = make_kimi_pair(tmp_path / "pair", stream="attn_res", moe_intermediate_size=64)
+    # of the 96 vocabulary rows, each half holding likely tokens (`slices`), so greedy tokens and
+    # the drafter's candidates come from both ranks. `graphs`: the ranks run the engine's graph path
+    # (captures and replays emulated: tests/emulated_graphs.py), against one process decoding eagerly.
+    target, drafter = make_kimi_pair(tmp_path / "pair", stream="attn_res", moe_intermediate_size=64, slices=2)
     prompts = random_prompts([1, 37, 20], vocab=VOCAB, seed=6)
     runs = {"greedy": dict(max_new_tokens=24),
             "sampled": dict(max_new_tokens=24, temperature=1.0, top_p=0.95)}

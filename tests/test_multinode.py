@@ -19,6 +19,7 @@ import torch
 
 from dflash_batch.testing.kimi_pair import make_kimi_pair
 from dflash_batch.testing.tokenizer import make_tokenizer_dir
+from tests.engine_tp_worker import assert_every_slice_decoded
 from tests.jobs_util import base_job, read_out, write_job, write_jsonl
 from tests.test_tp import free_port
 
@@ -30,8 +31,11 @@ VOLATILE = {"ttft_s", "latency_s", "config_hash"}  # timings, and the hash of a 
 
 def make_cli_kimi_pair(directory: Path) -> tuple[Path, Path]:
     """The tiny pair with a tokenizer, wide enough for TP4: one of 4 MLA and KDA heads a rank,
-    32 of each expert's 128 intermediate columns (a whole MXFP4 scale group)."""
-    target, drafter = make_kimi_pair(directory, stream="attn_res", vocab_size=VOCAB, moe_intermediate_size=128)
+    32 of each expert's 128 intermediate columns (a whole MXFP4 scale group), and likely tokens
+    in each rank's 80 vocabulary rows (`slices`: greedy tokens and the drafter's candidates come
+    from every rank)."""
+    target, drafter = make_kimi_pair(directory, stream="attn_res", vocab_size=VOCAB, moe_intermediate_size=128,
+                                     slices=4)
     make_tokenizer_dir(target, vocab_size=256)
     return target, drafter
 
@@ -111,6 +115,7 @@ def test_tp4_across_two_nodes_equals_tp1(pair, tp1, tmp_path):
     assert {r["status"] for r in rows} == {"ok"} and len(rows) == 16
     greedy = [r for r in rows if int(r["row_id"][1:]) % 2 == 0]
     assert greedy and all(r["spec_histogram"] for r in rows)  # both modes ran, and speculated
+    assert_every_slice_decoded([t for r in greedy for t in r["response_token_ids"]], VOCAB, 4)
     assert "rows committed this run" in logs[0] and "rows committed this run" not in logs[1]  # rank 0 reports
 
 

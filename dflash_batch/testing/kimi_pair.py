@@ -63,30 +63,41 @@ def set_target_head(target_dir: Path, head: torch.Tensor) -> None:
     raise KeyError(f"no language_model.lm_head.weight in {target_dir}")
 
 
-def peaked_head(seed: int, scale: float = 3.0, active: int = ACTIVE, vocab: int = VOCAB) -> torch.Tensor:
+def peaked_head(seed: int, scale: float = 3.0, active: int = ACTIVE, vocab: int = VOCAB,
+                slices: int = 1) -> torch.Tensor:
     """Near rank one on the first `active` tokens, logits ~ scale * (h.u) * c + noise: the argmax is
     mostly a token at one end of c, which the drafter (borrowing this head) also tends to propose,
     so rounds accept 0..B-1 drafts. The other tokens get a faint noise row rather than zeros, so no
-    two logits tie exactly (a top-k cut through a tie would depend on the sort's tie order)."""
+    two logits tie exactly (a top-k cut through a tie would depend on the sort's tie order).
+    `slices` > 1, for tensor-parallel tests: each of the vocabulary's `slices` equal parts (each
+    rank's slice) holds active / slices of the tokens, at its start, peaked along a direction of
+    their own (the head is rank `slices`), so greedy tokens and the drafter's candidates come from
+    every rank's slice, not rank 0's alone."""
+    if active % slices or vocab % slices:
+        raise ValueError(f"slices={slices} must divide active={active} and vocab={vocab}")
     gen = torch.Generator().manual_seed(seed + 99)
-    u = torch.randn(HIDDEN, generator=gen) / HIDDEN ** 0.5
+    u = torch.randn(slices, HIDDEN, generator=gen) / HIDDEN ** 0.5
     head = 0.001 * torch.randn(vocab, HIDDEN, generator=gen)
-    head[:active] += scale * torch.outer(torch.linspace(-1, 1, active), u)
-    head[:active] += 0.05 * torch.randn(active, HIDDEN, generator=gen)
+    per_slice = active // slices
+    ids = (torch.arange(slices)[:, None] * (vocab // slices) + torch.arange(per_slice)).flatten()
+    c = torch.linspace(-1, 1, per_slice)
+    head[ids] += scale * (c[None, :, None] * u[:, None, :]).flatten(0, 1)
+    head[ids] += 0.05 * torch.randn(active, HIDDEN, generator=gen)
     return head
 
 
 def make_kimi_pair(directory: str | Path, stream: str = "prefix", window: int = 6, seed: int = 0,
-                   peaked: bool = True, head_scale: float = 3.0, active: int = ACTIVE,
+                   peaked: bool = True, head_scale: float = 3.0, active: int = ACTIVE, slices: int = 1,
                    drafter_dims: dict | None = None, **target_overrides) -> tuple[Path, Path]:
     """(target_dir, drafter_dir) under directory. `head_scale` < 3 softens the peaked head (for
-    sampling tests that need several likely tokens per step); `drafter_dims` and
+    sampling tests that need several likely tokens per step); `slices`: the tensor-parallel ranks
+    whose vocabulary slices all hold likely tokens (peaked_head); `drafter_dims` and
     `target_overrides` widen the pair (the peaked head is the tiny width's)."""
     directory = Path(directory)
     target = make_kimi_checkpoint(directory / "target", seed=seed, **target_overrides)
     vocab = target_overrides.get("vocab_size", VOCAB)
     if peaked:
-        set_target_head(target, peaked_head(seed, head_scale, active, vocab))
+        set_target_head(target, peaked_head(seed, head_scale, active, vocab, slices))
     layers = target_overrides.get("num_hidden_layers", 8)
     drafter = directory / f"drafter_{stream}"
     drafter.mkdir(parents=True, exist_ok=True)
