@@ -277,12 +277,15 @@ def validate(job_file: str, no_inputs: bool) -> None:
     """Check JOB_FILE, its inputs and its engine settings on this host, without running anything."""
     from dflash_batch.build import resolve_engine
     from dflash_batch.io.inputs import duplicate_ids
+    from dflash_batch.io.outputs import check_writable
     from dflash_batch.runner import check_job, open_tokenizer
     from dflash_batch.sizing import check_fits
 
     try:
         job = load_job(job_file)
-        if not no_inputs:
+        if no_inputs:
+            check_writable(Path(job.output.dir))
+        else:
             check_job(job)
             found = duplicate_ids(job.input)
             if found["count"]:
@@ -346,7 +349,7 @@ def status(out_dir: str) -> None:
     """Rows done / error per shard (beside the rows it holds once complete, counted from the
     inputs) and per bucket, from the committed files of OUT_DIR; which shards are running (their
     progress files), which are incomplete, and the command that finishes them."""
-    from dflash_batch.io.inputs import input_fingerprint
+    from dflash_batch.io.fingerprint import input_identity
     from dflash_batch.io.ledger import (RAY_INPUT, array_spec, count_committed, duplicate_keys, lock_path,
                                         shard_finished, shard_states)
     from dflash_batch.io.progress import describe_live, live_state, lock_held, read_progress, resume_lines
@@ -358,18 +361,18 @@ def status(out_dir: str) -> None:
         _fail(JobError(f"{out}: no run.json; not a dflash-batch output directory"))
     run_record = orjson.loads(run_file.read_bytes())
     num_shards = run_record["num_shards"]
-    by_shard, by_bucket = count_committed(out)
+    by_shard, by_bucket, by_error = count_committed(out)
     done = [by_shard[(i, "ok")] + by_shard[(i, "error")] for i in range(num_shards)]
     states = shard_states(out, num_shards)  # what each shard's runs recorded of reaching their end
     expected = [None] * num_shards
     from_ray = run_record["job"]["input"]["paths"] == [RAY_INPUT]
     if from_ray:  # its rows are known to the pipeline, not to a file
-        states = ["ray" if d else "not started" for d in done]
+        states = ["complete" if s == "complete" else "ray" if d else "not started" for d, s in zip(done, states)]
         click.echo("(expected rows unknown: its rows come from a Ray Data pipeline (dflash_batch.ray))", err=True)
     else:
         try:  # each shard's rows once complete, counted from local inputs (cached in OUT_DIR)
             job = Job.model_validate(run_record["job"])
-            inputs = input_fingerprint(job.input)
+            inputs = input_identity(job, out)
             if inputs is not None:
                 expected = shard_plan(out, job, num_shards, inputs)
                 # Complete by count, or because its run got through these very inputs (duplicate ids
@@ -391,6 +394,9 @@ def status(out_dir: str) -> None:
     ok = sum(c for (_, status), c in by_shard.items() if status == "ok")
     click.echo(f"\ntotal: {ok} ok, {sum(by_shard.values()) - ok} error, {num_shards} shard(s), "
                f"{states.count('complete')} complete")
+    if by_error:
+        click.echo("error rows: " + ", ".join(f"{n} {kind} (e.g. row {example!r})"
+                                              for kind, (n, example) in sorted(by_error.items(), key=str)))
     for i in (i for i, lv in enumerate(live) if lv):
         click.echo(describe_live(i, live[i], records[i], done[i], expected[i], now))
     for i, found in duplicate_keys(out, num_shards).items():
@@ -399,8 +405,9 @@ def status(out_dir: str) -> None:
                    f"sample_index) keys, e.g. {shown}: input rows share an id (dflash-batch validate lists them)")
     todo = [i for i, s in enumerate(states) if s not in ("complete", "running", "stalled", "ray")]
     if from_ray:
-        click.echo("rows from a Ray Data pipeline: run it again to finish (committed rows are read back, "
-                   "not generated again)")
+        if "ray" in states:
+            click.echo("rows from a Ray Data pipeline, not marked finished: run it again to finish (committed rows "
+                       "are read back, not generated again), then call dflash_batch.ray.finish(OUT_DIR)")
     elif todo:
         lines = resume_lines(todo, num_shards, run_record.get("job_file") or "JOB_FILE", out, records)
         click.echo(f"incomplete: shard(s) {array_spec(todo)}; to finish them:\n" + "\n".join(f"  {x}" for x in lines))
@@ -445,7 +452,9 @@ def report(out_dir: str, group_by: str | None, as_json: bool, plot_path: str | N
 @click.option("--rows-per-file", type=click.IntRange(min=1), default=100_000, show_default=True)
 @click.option("--messages", "messages_column", help="hf: add an SFT `messages` column: this passthrough "
               "column's chat messages (or text, as one user turn), then the assistant's response (and reasoning).")
-def export(out_dir: str, dest: str, fmt: str, rows_per_file: int, messages_column: str | None) -> None:
+@click.option("--partial", is_flag=True, help="Export a run that has not finished: the rows committed so far "
+              "(the card says so). Without it, such a run is refused.")
+def export(out_dir: str, dest: str, fmt: str, rows_per_file: int, messages_column: str | None, partial: bool) -> None:
     """Write OUT_DIR's rows (merged with the runs it retries, its rows winning) to DEST."""
     from dflash_batch.io.export import export_dataset, export_openai_batch
 
@@ -453,10 +462,10 @@ def export(out_dir: str, dest: str, fmt: str, rows_per_file: int, messages_colum
         if fmt == "openai_batch":
             if messages_column:
                 raise JobError("--messages applies to --format hf only")
-            count = export_openai_batch(Path(out_dir), Path(dest))
+            count = export_openai_batch(Path(out_dir), Path(dest), partial)
             click.echo(f"{dest}: {count} request lines")
         else:
-            count = export_dataset(Path(out_dir), Path(dest), rows_per_file, messages_column)
+            count = export_dataset(Path(out_dir), Path(dest), rows_per_file, messages_column, partial)
             click.echo(f"{dest}: {count} rows")
     except JobError as e:
         _fail(e)

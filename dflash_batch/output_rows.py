@@ -1,7 +1,8 @@
 """Prepared rows through the engine into output rows: an ok row per finished sample, an error
 row for a row that could not run (bad input, a grammar that fails, a duplicate id) or a request
-the engine failed on alone. Each row goes to `commit` as it finishes; where it goes (Parquet parts
-through runner.py, a Ray batch through ray.py) is the caller's.
+the engine failed on alone. Rows go to `commit` as they finish, a list at a time that must be
+committed together; where they go (Parquet parts through runner.py, a Ray batch through ray.py)
+is the caller's.
 """
 
 from __future__ import annotations
@@ -39,11 +40,13 @@ def optional_columns(job: Job, delimiters: Delimiters | None) -> list[str]:
 
 class RowDecoder:
     """One job's rows through one engine. `done`: the (row_id, sample_index) keys not to generate
-    (committed before); `progress`: a bar per bucket."""
+    (committed before); `commit`: takes rows that must land in the same part (a sample's row and
+    the error rows of later input rows with its id: they share its key, so a resume that found
+    one committed without the others would skip them); `progress`: a bar per bucket."""
 
     def __init__(self, job: Job, shard: Shard, tokenizer: Tokenizer, engine: Engine, config_hash: str,
                  delimiters: Delimiters | None, done: Container[tuple[str, int]],
-                 commit: Callable[[dict], None], progress: bool = False):
+                 commit: Callable[[list[dict]], None], progress: bool = False):
         self.job, self.shard, self.tok, self.engine = job, shard, tokenizer, engine
         self.config_hash, self.delimiters, self.done = config_hash, delimiters, done
         self.commit, self.progress = commit, progress
@@ -53,6 +56,8 @@ class RowDecoder:
         self.default_params = self._params(job.sampling)
         vocab = engine.vocab_size or tokenizer.vocab_size  # a stand-in engine may not say
         self.grammars = Grammars(tokenizer, vocab, list(self.eos)) if asks_for_grammar(job) else None
+        self.later: dict[str, list[PreparedRow]] = {}  # a window's rows whose id an earlier row holds
+        self.to_commit: dict[str, int] = {}  # the samples those ids' first rows have still to commit
 
     def _base_row(self, row: PreparedRow, sample_index: int, seed: int | None = None) -> dict:
         if seed is None:
@@ -91,11 +96,12 @@ class RowDecoder:
                 out.update({f"{prefix}logprobs": lp.token, f"{prefix}top_logprob_ids": lp.top_ids,
                             f"{prefix}top_logprobs": lp.top})
         if c.spec is not None:
-            rounds, accepted, b = c.spec.rounds, c.spec.accepted, c.spec.block_size
-            out.update(spec_block_size=b, spec_rounds=rounds, spec_accepted=accepted,
-                       spec_histogram=c.spec.histogram,
+            rounds, accepted, verified = c.spec.rounds, c.spec.accepted, c.spec.drafts_verified
+            out.update(spec_block_size=c.spec.block_size, spec_rounds=rounds, spec_accepted=accepted,
+                       spec_drafts_verified=verified, spec_histogram=c.spec.histogram,
+                       spec_verified_histogram=c.spec.verified_histogram,
                        acc_len=1 + accepted / rounds if rounds else None,
-                       proposal_acceptance=accepted / ((b - 1) * rounds) if rounds else None)
+                       proposal_acceptance=accepted / verified if verified else None)
         return out
 
     def _params(self, s: SamplingSpec) -> SamplingParams:
@@ -148,7 +154,8 @@ class RowDecoder:
         try:
             for c in self.engine.generate(iter(requests), bucket):
                 row, seed = by_key.pop(c.key)
-                self.commit(self._ok_row(row, seed, c) if c.error_type is None else self._failed_row(row, seed, c))
+                self._commit_sample(row, c.key[1], self._ok_row(row, seed, c) if c.error_type is None
+                                    else self._failed_row(row, seed, c))
                 tokens += len(c.token_ids)
                 if c.spec is not None:
                     rounds, accepted = rounds + c.spec.rounds, accepted + c.spec.accepted
@@ -169,15 +176,23 @@ class RowDecoder:
                                f"{next(iter(by_key))}")
 
     def run_window(self, rows: list[PreparedRow]) -> None:
-        by_bucket: dict[int, list[PreparedRow]] = {}
-        seen, duplicates = set(), []  # a row id twice in a window would be two requests under one key
+        """A row id twice in a window would be two requests under one key: a later row with an
+        earlier row's id is not run; its samples' error rows (duplicate_id, or its own error) are
+        committed with the first row's samples, in the same part."""
+        first: dict[str, PreparedRow] = {}
+        self.later, self.to_commit = {}, {}
         for row in rows:
-            if row.row_id in seen and not row.error_type:
+            if row.row_id not in first:
+                first[row.row_id] = row
+                continue
+            if not row.error_type:
                 row.fail("duplicate_id", f"row id {row.row_id!r} is also an earlier input row's; this row was not "
                          "run (dflash-batch validate lists duplicate ids)")
-                duplicates.append(row)  # committed after the first row's answer, which a resume must not skip
-                continue
-            seen.add(row.row_id)
+            self.later.setdefault(row.row_id, []).append(row)
+        for row_id in self.later:
+            self.to_commit[row_id] = sum((row_id, i) not in self.done for i in range(first[row_id].sampling.n))
+        by_bucket: dict[int, list[PreparedRow]] = {}
+        for row in first.values():
             if not row.error_type and (self.grammars is not None or wants_grammar(row.sampling)):
                 self._check_grammar(row)
             if row.error_type:
@@ -186,11 +201,24 @@ class RowDecoder:
                 by_bucket.setdefault(row.bucket, []).append(row)
         for b in sorted(by_bucket):
             self.run_bucket(self.buckets[b], by_bucket[b])
-        for row in duplicates:
-            self.commit_errors(row)
 
     def commit_errors(self, row: PreparedRow) -> None:
         """A failed row's samples not committed yet, as error rows."""
         for i in range(row.sampling.n):
             if (row.row_id, i) not in self.done:
-                self.commit(self._error_row(row, i))
+                self._commit_sample(row, i, self._error_row(row, i))
+
+    def _commit_sample(self, row: PreparedRow, sample_index: int, out: dict) -> None:
+        """A sample's row, with the error rows of the window's later rows under its key; with the
+        row's last sample, also theirs past its n (per-row n), so that the later rows' keys are all
+        committed once the row's are (a resume skips a row whose keys are, and must skip them too)."""
+        later = self.later.get(row.row_id)
+        if not later:
+            self.commit([out])
+            return
+        rows = [out, *(self._error_row(r, sample_index) for r in later if sample_index < r.sampling.n)]
+        self.to_commit[row.row_id] -= 1
+        if not self.to_commit[row.row_id]:
+            rows += [self._error_row(r, i) for r in later for i in range(row.sampling.n, r.sampling.n)
+                     if (row.row_id, i) not in self.done]
+        self.commit(rows)

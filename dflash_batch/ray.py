@@ -18,7 +18,8 @@ an actor that died after committing and before returning (Ray then retries the b
 new actor), is read back instead of generated again, and a commit leaves out any row another
 writer committed meanwhile: each (row_id, sample_index) is written once. Row ids come from
 input.id_column, which such a stage needs (a row's position in a Ray batch does not survive a
-restart). Without an output directory rows only flow on.
+restart). Without an output directory rows only flow on. Once every batch came back,
+`finish(output_dir)` marks the output finished for status, export and retry.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ import pyarrow.parquet as pq
 from dflash_batch.api import as_job
 from dflash_batch.engine.request import Engine
 from dflash_batch.io.inputs import Record
-from dflash_batch.io.ledger import RAY_INPUT, key_hash, lock_run, part_files, shard_dir, shard_lock
+from dflash_batch.io.ledger import (RAY_IDENTITY, RAY_INPUT, key_hash, lock_run, part_files, shard_dir, shard_lock,
+                                   write_shard_stats)
 from dflash_batch.io.outputs import PartWriter, part_metadata, rows_to_table
 from dflash_batch.job import Job, JobError, check_model_paths
 from dflash_batch.keys import Shard
@@ -84,7 +86,7 @@ class DFlashStage:
         self.engine: Engine = engine_factory(job, self.tokenizer)
         config_hash = "-"
         if self.out_dir is not None:
-            config_hash = lock_run(self.out_dir, job, SHARD, inputs={RAY_INPUT: "ray"})
+            config_hash = lock_run(self.out_dir, job, SHARD, inputs=RAY_IDENTITY)
         self.metadata = part_metadata(job, config_hash)
         self.committed: set[int] = set()  # key hashes of the committed (row_id, sample_index)
         self.parts_of: dict[str, set[Path]] = {}  # row id -> the parts holding its committed samples
@@ -93,7 +95,7 @@ class DFlashStage:
         self.preparer = RowPreparer(job, self.tokenizer, getattr(self.engine, "vocab_size", None), SHARD, self.done)
         self.new_rows: list[dict] = []
         self.rows = RowDecoder(job, SHARD, self.tokenizer, self.engine, config_hash, delimiters, self.done,
-                               self.new_rows.append)
+                               self.new_rows.extend)
 
     def __call__(self, batch: pa.Table | dict) -> pa.Table:
         table = batch if isinstance(batch, pa.Table) else pa.table(batch)
@@ -149,6 +151,18 @@ class DFlashStage:
         wanted = pa.array(sorted(ids), pa.string())
         tables = [pq.read_table(p) for p in parts]
         return [t.filter(pc.is_in(t["row_id"], value_set=wanted)) for t in tables]
+
+
+def finish(output_dir: str | Path) -> None:
+    """Mark a pipeline's output finished, once every batch came back (the dataset written,
+    materialized or iterated to its end): `status` then says complete, and export and retry
+    take it as a whole run. Rows committed after it (another pipeline into the same directory)
+    unmark it."""
+    out = Path(output_dir)
+    if not (out / "run.json").exists():
+        raise JobError(f"{out}: no run.json; no stage committed to it")
+    with shard_lock(out, SHARD.index, wait=True):  # no stage's commit in between
+        write_shard_stats(out, SHARD.index, complete=True, inputs=RAY_IDENTITY)
 
 
 class _Committed:

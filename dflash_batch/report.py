@@ -2,8 +2,11 @@
 length bucket, per-position acceptance and the accepted-length histogram.
 
 Every ratio is pooled as a ratio of sums over rows: acc_len = 1 + sum(accepted) / sum(rounds),
-proposal acceptance = sum(accepted) / sum((B-1) * rounds), alpha_k = #(rounds with >= k accepted) /
-#rounds. A per-row mean of acc_len would weight short answers like long ones.
+proposal acceptance = sum(accepted) / sum(drafts verified), alpha_k = #(rounds with >= k accepted)
+/ #(rounds that verified >= k drafts): a draft schedule (speculation: auto, or drafts: k) verifies
+fewer than B-1 drafts a round, and a position no round tried has no alpha. A per-row mean of
+acc_len would weight short answers like long ones. Parts written before rows recorded the drafts
+verified (output schema v1) count every round as verifying the whole block, and the report says so.
 
 With an expected-answer column the tables also score the responses: `exact` (the stripped
 response is the answer), `contains` (the answer appears in it) or `last-number` (its last number
@@ -23,10 +26,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from dflash_batch.io.ledger import list_sums, part_files, speculation
+from dflash_batch.io.ledger import list_sums, part_files, read_part, speculation
 
 COLUMNS = ["row_id", "sample_index", "status", "finish_reason", "prompt_tokens", "completion_tokens", "bucket",
-           "spec_block_size", "spec_rounds", "spec_accepted", "spec_histogram"]
+           "spec_block_size", "spec_rounds", "spec_accepted", "spec_drafts_verified", "spec_histogram",
+           "spec_verified_histogram"]
+HISTOGRAMS = ("spec_histogram", "spec_verified_histogram")  # rounds by drafts accepted, by drafts verified
 NEEDLE = "needle_answer"  # make-needle's expected values: report scores retrieval by them
 
 
@@ -58,18 +63,21 @@ class _Totals:
 
     def __init__(self) -> None:
         self.sums = dict.fromkeys(self.COUNTS, 0)
-        self.histogram = np.zeros(0, dtype=np.int64)
+        self.histograms = [np.zeros(0, dtype=np.int64) for _ in HISTOGRAMS]
 
-    def add(self, sums: dict, histogram: np.ndarray) -> None:
+    def add(self, sums: dict, histograms: list[np.ndarray]) -> None:
         for k in self.COUNTS:
             self.sums[k] += int(sums.get(k) or 0)
-        if len(histogram) > len(self.histogram):
-            self.histogram = np.pad(self.histogram, (0, len(histogram) - len(self.histogram)))
-        self.histogram[:len(histogram)] += histogram
+        for i, h in enumerate(histograms):
+            total = self.histograms[i]
+            if len(h) > len(total):
+                total = self.histograms[i] = np.pad(total, (0, len(h) - len(total)))
+            total[:len(h)] += h
 
     def summary(self, answer: str | None) -> dict:
-        s, hist = self.sums, self.histogram.tolist()
+        s, hist, verified = self.sums, *(h.tolist() for h in self.histograms)
         rounds = s["rounds"]
+        trials = [sum(verified[k:]) for k in range(1, len(hist))]  # rounds that verified draft k
         return {
             "acc_len": 1 + s["accepted"] / rounds if rounds else None,
             "proposal_acceptance": s["accepted"] / s["drafted"] if s["drafted"] else None,
@@ -79,7 +87,9 @@ class _Totals:
             "rounds": rounds, "accepted": s["accepted"],
             "speculation": speculation(s["speculated"], s["requests"]),  # on | off | on for k/n (auto)
             "histogram": hist,  # rounds with n = 0..B-1 accepted drafts
-            "alpha": [sum(hist[k:]) / rounds for k in range(1, len(hist))] if rounds else [],
+            "verified_histogram": verified,  # rounds that verified n = 0..B-1 drafts
+            "alpha": [sum(hist[k:]) / n if n else None for k, n in enumerate(trials, 1)] if rounds else [],
+            "trials": trials if rounds else [],
             "right": s["right"] if answer else None, "scored": s["scored"] if answer else None,
         }
 
@@ -100,13 +110,14 @@ def _part_sums(t: pa.Table, answer: str | None, match: str) -> pa.Table:
         "errors": pc.invert(ok).cast(pa.int64()),
         "truncated": pc.and_(ok, pc.equal(t["finish_reason"], "length")).cast(pa.int64()),
         "tokens": where(ok, t["completion_tokens"]), "rounds": rounds, "accepted": where(spec, t["spec_accepted"]),
-        "drafted": pc.multiply(where(spec, pc.subtract(t["spec_block_size"], 1)), rounds),
+        "drafted": where(spec, t["spec_drafts_verified"]),
         "speculated": pc.and_(ok, pc.is_valid(t["spec_block_size"])).cast(pa.int64())}
     if answer:  # scoring reads the text: Python, but one part at a time
         oks = ok.to_pylist()
         cols["right"] = pa.array([int(bool(o) and is_right(r, a, match)) for o, r, a in
                                   zip(oks, t["response"].to_pylist(), t[answer].to_pylist())], pa.int64())
-        cols["scored"] = pc.is_valid(t[answer]).cast(pa.int64())
+        # an error row has no response to score: the rate is over the rows that answered
+        cols["scored"] = pc.and_(ok, pc.is_valid(t[answer])).cast(pa.int64())
     return pa.table(cols)
 
 
@@ -127,8 +138,10 @@ def build_report(out_dir: Path, group_by: str | None = None, answer: str | None 
             raise KeyError(f"{out_dir}: no column {col!r} to {what} in the output (columns: {names})")
     cols = list(dict.fromkeys(COLUMNS + ([group_by] if group_by else []) + (["response", answer] if answer else [])))
     totals: dict[str, dict[str, _Totals]] = {"overall": {}, "groups": {}, "buckets": {}}
+    assumed = False  # some part predates the record of drafts verified
     for f in files:
-        t = pq.read_table(f, columns=cols)
+        t, legacy = read_part(f, cols)
+        assumed |= legacy
         sums = _part_sums(t, answer, match)
         spec = pc.and_(pc.equal(t["status"], "ok"), pc.fill_null(pc.greater(t["spec_rounds"], 0), False))
         labels = {"overall": pa.array(["all"] * t.num_rows, pa.string()),
@@ -141,17 +154,17 @@ def build_report(out_dir: Path, group_by: str | None = None, answer: str | None 
             grouped = sums.append_column("key", encoded.indices).group_by("key").aggregate(
                 [(c, "sum") for c in sums.column_names])
             # speculative rows' histograms only (a null code for the others adds nothing)
-            hists = list_sums(pc.if_else(spec, t["spec_histogram"], pa.scalar(None, t["spec_histogram"].type)),
-                              keys, len(encoded.dictionary))
+            hists = [list_sums(pc.if_else(spec, t[h], pa.scalar(None, t[h].type)), keys, len(encoded.dictionary))
+                     for h in HISTOGRAMS]
             for row in grouped.to_pylist():
                 name = encoded.dictionary[row["key"]].as_py()
                 totals[table].setdefault(name, _Totals()).add(
-                    {c: row[f"{c}_sum"] for c in sums.column_names}, hists[row["key"]])
+                    {c: row[f"{c}_sum"] for c in sums.column_names}, [h[row["key"]] for h in hists])
     groups = {k: v.summary(answer) for k, v in sorted(totals["groups"].items())}
     buckets = {k: v.summary(answer) for k, v in sorted(totals["buckets"].items(), key=lambda kv: _edge(kv[0]))}
     return {"group_by": group_by, "answer": answer, "match": match,
             "overall": totals["overall"]["all"].summary(answer), "groups": groups, "buckets": buckets,
-            "schedule": _schedules(out_dir)}
+            "schedule": _schedules(out_dir), "whole_block_assumed": assumed}
 
 
 def _schedules(out_dir: Path) -> dict[str, dict]:
@@ -229,13 +242,19 @@ def to_markdown(report: dict) -> str:
     if overall["rounds"]:
         width = len(overall["histogram"])
         lines += ["## Per-position acceptance (pooled)", "",
-                  "| " + " | ".join(f"α_{k}" for k in range(1, width)) + " |",
-                  "|" + "---|" * (width - 1),
-                  "| " + " | ".join(f"{a:.3f}" for a in overall["alpha"]) + " |", "",
+                  "α_k = rounds that accepted at least k drafts / rounds that verified draft k (trials)", "",
+                  "| | " + " | ".join(f"α_{k}" for k in range(1, width)) + " |",
+                  "|---|" + "---|" * (width - 1),
+                  "| α | " + " | ".join(_fmt(a, 3) for a in overall["alpha"]) + " |",
+                  "| trials | " + " | ".join(str(n) for n in overall["trials"]) + " |", "",
                   "## Accepted drafts per round", "",
                   "| " + " | ".join(str(n) for n in range(width)) + " |", "|" + "---|" * width,
                   "| " + " | ".join(str(c) for c in overall["histogram"]) + " |", "",
                   f"acc_len = 1 + {overall['accepted']} accepted / {overall['rounds']} rounds"]
+    if report.get("whole_block_assumed"):
+        lines += ["", "Note: some rows were written before outputs recorded the drafts each round verified "
+                      "(output schema v1): their proposal acceptance and α assume every round verified the "
+                      "whole block, which understates them where a draft schedule verified fewer."]
     return "\n".join(lines)
 
 
@@ -249,8 +268,8 @@ def plot(report: dict, path: Path) -> None:
     overall = report["overall"]
     alpha, hist = overall["alpha"], overall["histogram"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4))
-    left.bar(range(1, len(alpha) + 1), alpha, color="#4c72b0")
-    left.set(title="per-position acceptance α_k", xlabel="draft position k", ylabel="P(≥ k accepted)",
+    left.bar(range(1, len(alpha) + 1), [np.nan if a is None else a for a in alpha], color="#4c72b0")
+    left.set(title="per-position acceptance α_k", xlabel="draft position k", ylabel="P(≥ k accepted | k tried)",
              ylim=(0, 1))
     total = sum(hist) or 1
     right.bar([n + 1 for n in range(len(hist))], [c / total for c in hist], color="#dd8452")

@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 import yaml
 
 from dflash_batch.io.export import lineage, merged_rows
-from dflash_batch.io.ledger import shard_states
+from dflash_batch.io.ledger import unfinished_shards
 from dflash_batch.job import JobError, parse_job
 
 # What decides the rows, their keys and their seeds: a retry must read the parent's rows as the
@@ -80,7 +80,7 @@ def make_retry(parent: Path, where: list[str], sets: list[str], new_dir: Path) -
     if not run_file.exists():
         raise JobError(f"{parent}: no run.json; not a dflash-batch output directory")
     record = orjson.loads(run_file.read_bytes())
-    todo = [i for i, s in enumerate(shard_states(parent, record["num_shards"])) if s != "complete"]
+    todo = unfinished_shards(parent, record["num_shards"])
     if todo:
         raise JobError(f"{parent}: shard(s) {todo} have not finished (dflash-batch status {parent} says how to "
                        "finish them); retry a finished run")

@@ -22,10 +22,11 @@ from pathlib import Path
 from dflash_batch import parallel
 from dflash_batch.engine.request import Engine
 from dflash_batch.grammar import Grammars, asks_for_grammar
-from dflash_batch.io.inputs import check_inputs, input_fingerprint
+from dflash_batch.io.fingerprint import input_identity
+from dflash_batch.io.inputs import check_inputs
 from dflash_batch.io.ledger import (check_run, keys_to_skip, lock_run, shard_dir, shard_finished, shard_lock,
                                    write_shard_stats)
-from dflash_batch.io.outputs import RESERVED, PartWriter, output_record, part_metadata
+from dflash_batch.io.outputs import RESERVED, PartWriter, check_writable, output_record, part_metadata
 from dflash_batch.io.progress import Progress, progress_path, slurm_of
 from dflash_batch.job import Job, JobError, check_model_paths
 from dflash_batch.output_rows import RowDecoder
@@ -80,13 +81,15 @@ class _Run:
         self.signum = signal.SIGTERM  # the first stop signal's (the exit code says which)
         self.tensor_parallel = parallel.world_size() > 1
 
-    def _commit(self, row: dict) -> None:
+    def _commit(self, rows: list[dict]) -> None:
         self.committing = True  # a SIGTERM now only sets stop: the check below acts on it
         if self.writer is not None:  # tensor-parallel ranks other than 0 decode but do not write
-            self.writer.add(row)
+            self.writer.add(rows)
             if self.on_row is not None:
-                self.on_row(output_record(row, self.job.input.passthrough_columns, self.rows.optional))
-        self.tally.row(row, self.committed())
+                for row in rows:
+                    self.on_row(output_record(row, self.job.input.passthrough_columns, self.rows.optional))
+        for row in rows:
+            self.tally.row(row, self.committed())
         self.committing = False
         # Every rank commits the same rows in the same order; they agree on stopping here.
         stop = parallel.any_rank(self.stop.is_set()) if self.tensor_parallel else self.stop.is_set()
@@ -156,9 +159,10 @@ class _Run:
 
 def check_job(job: Job) -> None:
     """What fails the whole job, checked before any tokenizer or checkpoint is read: the model
-    paths first (a typo named by its field), then the output columns, the input files and their
-    columns."""
+    paths first (a typo named by its field), then the output directory and columns, the input
+    files and their columns."""
     check_model_paths(job.model)
+    check_writable(Path(job.output.dir))
     check_passthrough(job)
     check_inputs(job.input)
 
@@ -202,7 +206,7 @@ def run_job(job: Job, engine_factory: EngineFactory, shard: Shard, progress: boo
     tokenizer, delimiters = open_tokenizer(job)
     out_dir = Path(job.output.dir)
     check_run(out_dir, job, shard)  # a changed job is refused before any checkpoint loads
-    inputs = input_fingerprint(job.input)
+    inputs = input_identity(job, out_dir)
     if shard_finished(out_dir, shard.index, inputs):  # a resubmitted finished task: no model to load
         return RunResult(shard, 0, {}, already_complete=True)
     on_main = threading.current_thread() is threading.main_thread()

@@ -41,7 +41,9 @@ class FakeEngine:
             if i >= 0:
                 text, finish, reason = text[:i], "stop", s
         per_round = [(state >> i) % self.block for i in range(max(1, len(tokens) // 3))]
-        return Completion(req.key, tokens, text, finish, reason, SpecCounters(self.block, per_round),
+        # rounds verify fewer drafts than the block at times (a draft schedule), never fewer than they accepted
+        verified = [max(n, (state >> (i + 5)) % self.block) for i, n in enumerate(per_round)]
+        return Completion(req.key, tokens, text, finish, reason, SpecCounters(self.block, per_round, verified),
                           ttft_s=0.001, latency_s=0.002)
 
     def generate(self, requests: Iterable[Request], bucket: Bucket) -> Iterator[Completion]:

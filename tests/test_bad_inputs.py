@@ -154,6 +154,12 @@ BAD_CHATS = [
                                                          "non-empty string"),
     ("a tool call without arguments", [USER, {"role": "assistant", "tool_calls": [{"function": {"name": "add"}}]}],
      "messages[1].tool_calls[0].function.arguments: must be a JSON string or an object"),
+    ("a tool call whose arguments are not JSON", [USER, {"role": "assistant", "tool_calls": [
+        {"function": {"name": "add", "arguments": "{a: 1"}}]}], "messages[1].tool_calls[0].function.arguments: "
+                                                                "not JSON: '{a: 1'"),
+    ("a tool call whose arguments encode no object", [USER, {"role": "assistant", "tool_calls": [
+        {"function": {"name": "add", "arguments": "[1, 2]"}}]}], "messages[1].tool_calls[0].function.arguments: "
+                                                                 "must encode an object, got list"),
 ]
 GOOD_CHATS = [
     [USER],
@@ -476,3 +482,28 @@ def _parsed(line: bytes):
 def _is_good(line: bytes) -> bool:
     value = _parsed(line)
     return isinstance(value, dict) and isinstance(value.get("prompt"), str) and bool(value["prompt"].strip())
+
+
+@pytest.mark.parametrize("where", ["read_only", "under_a_file"])
+def test_an_output_directory_that_cannot_be_written_is_refused_before_any_model_loads(tmp_path, model_dir, where):
+    """`validate` (with and without inputs) and `run` exit 2 with one line naming output.dir; the
+    model is never read. A read-only mount (sysfs: no file can be made there, root included)
+    or a path under a file."""
+    if where == "read_only":
+        if not Path("/sys").is_dir():
+            pytest.skip("no read-only sysfs mount here")
+        out = Path("/sys/dflash-batch-test/out")
+    else:
+        (tmp_path / "a_file").write_text("x")
+        out = tmp_path / "a_file" / "out"
+    write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "hi"}])
+    write_job(tmp_path, base_job(model_dir, ["p.jsonl"], output={"dir": str(out)}))
+    for command in (["validate"], ["validate", "--no-inputs"], ["run", "--no-progress"]):
+        result = CliRunner().invoke(main, [*command, str(tmp_path / "job.yaml")])
+        assert result.exit_code == 2, result.output
+        (line,) = [x for x in result.output.splitlines() if x.strip()]
+        assert line.startswith(f"error: output.dir: {out} ")
+        assert "not writable" in line or "is not a directory" in line
+    with pytest.raises(JobError, match="output.dir"):
+        run_job(write_job(tmp_path, base_job(model_dir, ["p.jsonl"], output={"dir": str(out)})), never_loaded,
+                Shard(0, 1), progress=False)

@@ -77,3 +77,61 @@ def test_status_reports_keys_committed_twice(tmp_path, model_dir):
     doc["output"]["dir"] = "unique"
     run_job(write_job(tmp_path, doc), fake_factory(), Shard(0, 1), progress=False)
     assert "duplicate" not in CliRunner().invoke(main, ["status", str(tmp_path / "unique")]).output
+
+
+class Killed(BaseException):
+    """The process dies here: nothing after this part is committed (as under SIGKILL)."""
+
+
+def test_a_run_killed_after_any_part_resumes_to_the_rows_of_one_uninterrupted_run(tmp_path, model_dir,
+                                                                                 monkeypatch):
+    """Ids held by several rows (one with a bad prompt among them, and rows asking for more samples
+    than the first one of their id): a run killed after its k-th part, for every k, then resumed,
+    commits the rows one uninterrupted run commits, error rows included: a later row's error row
+    shares the first row's key, so committing one without the other would make the resume skip
+    it (a lost duplicate_id row)."""
+    from dflash_batch.io.outputs import PartWriter
+
+    rows = [{"id": i, "prompt": f"row {i}", "n": 1 + (i == 3) + (j == 2)}
+            for j, i in enumerate((1, 2, 2, 3, 3, 3, 4, 5, 5, 6))] + [{"id": 7, "prompt": ""}, {"id": 7, "prompt": "x"}]
+    write_jsonl(tmp_path / "p.jsonl", rows)
+    doc = base_job(model_dir, ["p.jsonl"], input={"sampling_columns": {"n": "n"}},
+                   output={"dir": "whole", "rows_per_part": 2})
+
+    def key(r: dict) -> tuple:
+        return r["row_id"], r["sample_index"], r["status"], r["error_type"], r["response"]
+
+    run_job(write_job(tmp_path, doc), fake_factory(), Shard(0, 1), progress=False)
+    whole = sorted(map(key, read_out(tmp_path / "whole")))
+    assert ("3", 1, "error", "duplicate_id", None) in whole and ("7", 0, "error", "duplicate_id", None) in whole
+    parts = len(list((tmp_path / "whole" / "data" / "shard-00000").glob("part-*.parquet")))
+    status = CliRunner().invoke(main, ["status", str(tmp_path / "whole")]).output
+    summary = [line.split(" keys, e.g.")[0] for line in status.splitlines()
+               if line.startswith(("error rows", "duplicate ids", "total"))]
+    assert summary == ["total: 7 ok, 9 error, 1 shard(s), 1 complete",
+                       "error rows: 8 duplicate_id (e.g. row '2'), 1 empty_prompt (e.g. row '7')",
+                       "duplicate ids: shard 0 committed 12 rows under 5 (row_id, sample_index)"], status
+    write_part = PartWriter.write_part
+    for k in range(1, parts):
+        written = []
+
+        def dies_after_k(self, rows, k=k, written=written):
+            if len(written) == k:
+                raise Killed
+            written.append(1)
+            return write_part(self, rows)
+
+        doc["output"]["dir"] = f"killed{k}"
+        job = write_job(tmp_path, doc)
+        monkeypatch.setattr(PartWriter, "write_part", dies_after_k)
+        try:
+            run_job(job, fake_factory(), Shard(0, 1), progress=False)
+        except Killed:
+            pass
+        monkeypatch.setattr(PartWriter, "write_part", write_part)
+        run_job(job, fake_factory(), Shard(0, 1), progress=False)
+        assert sorted(map(key, read_out(tmp_path / f"killed{k}"))) == whole, k
+        # status counts and names the error rows, and the ids committed twice, as after one run
+        resumed = CliRunner().invoke(main, ["status", str(tmp_path / f"killed{k}")]).output
+        assert [line.split(" keys, e.g.")[0] for line in resumed.splitlines()
+                if line.startswith(("error rows", "duplicate ids", "total"))] == summary, (k, resumed)

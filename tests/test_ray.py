@@ -77,7 +77,8 @@ def test_bad_rows_are_error_rows_and_a_batch_seen_again_generates_nothing(tmp_pa
     assert _by_key(read_out(tmp_path / "out")) == _by_key(out)
     status = CliRunner().invoke(main, ["status", str(tmp_path / "out")])
     assert status.exit_code == 0 and "3 ok, 2 error" in status.output
-    assert "rows from a Ray Data pipeline: run it again" in status.output and "dflash-batch run" not in status.output
+    assert "rows from a Ray Data pipeline, not marked finished: run it again" in status.output
+    assert "dflash-batch run" not in status.output
     report = CliRunner().invoke(main, ["report", str(tmp_path / "out")])
     assert report.exit_code == 0 and "## Acceptance" in report.output
 
@@ -98,6 +99,31 @@ def test_bad_rows_are_error_rows_and_a_batch_seen_again_generates_nothing(tmp_pa
     new = _prompts(4)[3]  # and the count sees generation: a new row is handed over once
     fresh(pa.Table.from_pylist(good + [new]))
     assert handed == [(new["id"], 0)]
+
+
+def test_a_pipeline_marked_finished_is_complete_until_more_rows_come(tmp_path):
+    """ray.finish: status says complete (not "run it again") and export takes the output whole;
+    before it, and once another pipeline commits rows after it, export refuses without --partial."""
+    from dflash_batch.ray import finish
+    stage = DFlashStage(DEMO, output_dir=tmp_path / "out")
+    rows = _prompts(3)
+    stage(pa.Table.from_pylist(rows[:2]))
+
+    def export(dest: str, *flags: str):
+        return CliRunner().invoke(main, ["export", str(tmp_path / "out"), str(tmp_path / dest), *flags])
+
+    refused = export("early")
+    assert refused.exit_code == 2 and "not finished" in refused.output and "--partial" in refused.output
+    finish(tmp_path / "out")
+    status = CliRunner().invoke(main, ["status", str(tmp_path / "out")]).output
+    assert "1 complete" in status and "run it again" not in status
+    assert export("whole").exit_code == 0 and "Partial" not in (tmp_path / "whole" / "README.md").read_text()
+    stage(pa.Table.from_pylist(rows[2:]))  # a later pipeline into the same directory
+    status = CliRunner().invoke(main, ["status", str(tmp_path / "out")]).output
+    assert "0 complete" in status and "not marked finished" in status
+    assert export("later").exit_code == 2
+    partial = export("partial", "--partial")
+    assert partial.exit_code == 0 and "**Partial**" in (tmp_path / "partial" / "README.md").read_text()
 
 
 def test_a_commit_leaves_out_rows_another_writer_committed(tmp_path):

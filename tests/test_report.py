@@ -43,15 +43,23 @@ def test_report_tables_are_ratios_of_sums(out_dir):
         rounds = sum(r["spec_rounds"] for r in mine)
         accepted = sum(r["spec_accepted"] for r in mine)
         assert g["acc_len"] == pytest.approx(1 + accepted / rounds)
-        assert g["proposal_acceptance"] == pytest.approx(accepted / (7 * rounds))
+        # the fake engine's rounds verify fewer drafts than the block at times (a draft schedule)
+        verified = sum(r["spec_drafts_verified"] for r in mine)
+        assert verified < 7 * rounds
+        assert g["proposal_acceptance"] == pytest.approx(accepted / verified)
         assert g["requests"] == len(mine) and g["prompts"] == len({r["row_id"] for r in rows if r["dataset"] == name})
         assert g["truncated"] == sum(r["finish_reason"] == "length" for r in mine)
         assert g["errors"] == sum(r["dataset"] == name and r["status"] == "error" for r in rows)
     assert report["groups"]["gsm"]["errors"] >= 2  # the empty row, both samples
     overall = report["overall"]
     hist = [sum(r["spec_histogram"][n] for r in rows if r["status"] == "ok") for n in range(8)]
-    assert overall["histogram"] == hist
-    assert overall["alpha"] == pytest.approx([sum(hist[k:]) / sum(hist) for k in range(1, 8)])
+    tried = [sum(r["spec_verified_histogram"][n] for r in rows if r["status"] == "ok") for n in range(8)]
+    assert overall["histogram"] == hist and overall["verified_histogram"] == tried
+    # a row's record is whole: a round each, verified drafts summed
+    assert all(sum(r["spec_verified_histogram"]) == r["spec_rounds"] and r["spec_drafts_verified"] ==
+               sum(n * c for n, c in enumerate(r["spec_verified_histogram"])) for r in rows if r["status"] == "ok")
+    assert overall["trials"] == [sum(tried[k:]) for k in range(1, 8)]
+    assert overall["alpha"] == pytest.approx([sum(hist[k:]) / sum(tried[k:]) for k in range(1, 8)])
     assert set(report["buckets"]) == {"0-64", "64-256", "-"}  # "-": rows that failed before bucketing
     assert (out_dir / "report.png").stat().st_size > 1000
 
@@ -95,7 +103,72 @@ def test_report_scores_an_answer_column(out_dir):
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     want = sum(r["status"] == "ok" and r["response"].strip() == target.strip() for r in rows)
-    assert report["overall"]["right"] == want >= 1 and report["overall"]["scored"] == len(rows)
+    answered = sum(r["status"] == "ok" for r in rows)  # error rows (the bad row's) give no answer to score
+    assert report["overall"]["right"] == want >= 1 and report["overall"]["scored"] == answered < len(rows)
     md = subprocess.run([*CLI, str(out_dir), "--answer-column", "expected", "--match", "exact"],
                         capture_output=True, text=True).stdout
-    assert f"| {want}/{len(rows)} |" in md
+    assert f"| {want}/{answered} |" in md
+
+
+def test_parts_written_before_the_drafts_verified_were_recorded(out_dir, tmp_path):
+    """Output schema v1 parts (no spec_drafts_verified, no spec_verified_histogram) are reported as
+    they were written, every round verifying the whole block, and the report and the export card
+    say so."""
+    import pyarrow.parquet as pq
+
+    from dflash_batch.io.ledger import part_files
+    cli = [sys.executable, "-m", "dflash_batch.cli", "export", str(out_dir)]
+    rows = [r for r in read_out(out_dir) if r["status"] == "ok"]
+    verified = sum(r["spec_drafts_verified"] for r in rows)
+    assert subprocess.run([*cli, str(tmp_path / "v2")], capture_output=True).returncode == 0
+    card = (tmp_path / "v2" / "README.md").read_text()
+    share = sum(r["spec_accepted"] for r in rows) / verified
+    assert f"proposal acceptance (accepted / drafts verified, pooled) {share:.3f}.\n" in card
+    for f in part_files(out_dir):
+        pq.write_table(pq.read_table(f).drop_columns(["spec_drafts_verified", "spec_verified_histogram"]), f)
+    out = subprocess.run([*CLI, str(out_dir), "--json"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    overall = json.loads(out.stdout)["overall"]
+    rounds, accepted = sum(r["spec_rounds"] for r in rows), sum(r["spec_accepted"] for r in rows)
+    assert overall["proposal_acceptance"] == pytest.approx(accepted / (7 * rounds))
+    assert overall["trials"] == [rounds] * 7
+    text = subprocess.run([*CLI, str(out_dir)], capture_output=True, text=True).stdout
+    assert "assume every round verified the whole block" in text
+    export = subprocess.run([*cli, str(tmp_path / "hf")], capture_output=True, text=True)
+    assert export.returncode == 0, export.stderr
+    card = (tmp_path / "hf" / "README.md").read_text()
+    assert f"proposal acceptance (accepted / drafts verified, pooled) {accepted / (7 * rounds):.3f}" in card
+    assert "count every round as verifying the whole block" in card
+
+
+def test_export_refuses_an_unfinished_run_unless_partial(tmp_path, model_dir):
+    """A run stopped part way (preempted) is not exported as a dataset unless asked; asked, the
+    card says it holds only the rows committed so far. The same for OpenAI Batch output lines."""
+    from dflash_batch.runner import Preempted
+    from tests.fake_engine import FakeEngine
+
+    def stops_after_5(job, tokenizer):
+        engine = FakeEngine(tokenizer)
+        inner = engine.generate
+
+        def generate(requests, bucket):
+            for i, c in enumerate(inner(requests, bucket)):
+                if i == 5:
+                    raise Preempted()
+                yield c
+
+        engine.generate = generate
+        return engine
+
+    write_jsonl(tmp_path / "p.jsonl", [{"id": f"r{i}", "prompt": f"row {i}"} for i in range(12)])
+    job = write_job(tmp_path, base_job(model_dir, ["p.jsonl"]))
+    with pytest.raises(Preempted):
+        run_job(job, stops_after_5, Shard(0, 1), progress=False)
+    cli = [sys.executable, "-m", "dflash_batch.cli", "export", str(tmp_path / "out")]
+    for args in ([str(tmp_path / "hf")], [str(tmp_path / "batch.jsonl"), "--format", "openai_batch"]):
+        refused = subprocess.run([*cli, *args], capture_output=True, text=True)
+        assert refused.returncode == 2, refused.stderr
+        assert "not finished" in refused.stderr and "shard(s) 0 of 1" in refused.stderr and "--partial" in refused.stderr
+        assert subprocess.run([*cli, *args, "--partial"], capture_output=True).returncode == 0
+    card = (tmp_path / "hf" / "README.md").read_text()
+    assert "**Partial**: exported before the run finished" in card and "5 rows: 5 ok" in card

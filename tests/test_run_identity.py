@@ -96,6 +96,21 @@ def test_a_run_moved_with_its_files_resumes_there(moved):
     assert len(hashes) == 1  # the parts before and after the move belong to one run
 
 
+def test_a_finished_run_moved_with_its_files_loads_nothing(tmp_path, model_dir):
+    """The already-complete check knows the inputs by content, as the run identity does: after
+    a move, a finished task is finished there too (no model loads, nothing is written)."""
+    run_job(load_job(_tree(tmp_path / "a", model_dir)), Counting(), Shard(0, 1), progress=False)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    shutil.rmtree(tmp_path / "a")
+
+    def must_not_load(job, tokenizer):
+        raise AssertionError("a finished task loaded its model")
+
+    again = run_job(load_job(tmp_path / "b" / "job.yaml"), must_not_load, Shard(0, 1), progress=False)
+    assert again.already_complete and again.rows_written == 0
+    assert len(_rows(tmp_path / "b" / "out")) == ROWS
+
+
 def test_a_resume_reads_no_unchanged_file_again(moved, monkeypatch):
     """The first fingerprints of the moved files are cached beside the run; the next resume (a
     new process) finds them there."""

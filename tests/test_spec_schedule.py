@@ -124,8 +124,10 @@ def test_a_window_of_whole_rounds_keeps_the_last_trials_one_by_one():
         for j in range(k):
             tried = [a for a in accepted if a >= j]
             trials[j] += sorted((int(a > j) for a in tried), reverse=True)
-        want = [sum(t[-window:]) / len(t[-window:]) if t else None for t in trials]
-        assert acc.rates() == pytest.approx(want, rel=1e-12)
+        # A position never tried has no rate (None); pytest.approx takes no None inside a list
+        # from pytest 9.2 on, so each rate is compared alone.
+        want = [pytest.approx(sum(t[-window:]) / len(t[-window:]), rel=1e-12) if t else None for t in trials]
+        assert acc.rates() == want
         assert acc.samples == min(len(trials[0]), window)
 
 
@@ -152,23 +154,55 @@ def test_a_rounds_own_time_moves_its_batch_sizes_costs():
 
 
 @pytest.mark.numerics
-def test_auto_verifies_the_whole_block_where_every_draft_is_accepted(tmp_path):
-    """The constant-head twin: the target's head is zero, so it always picks token 0 and so does
-    the drafter, which borrows the head; every round accepts its 7 drafts and auto keeps k = 7."""
-    from safetensors.torch import load_file, save_file
-    target_dir = make_target(tmp_path / "const")
-    weights = load_file(target_dir / "model.safetensors")
-    weights["lm_head.weight"].zero_()
-    save_file(weights, target_dir / "model.safetensors", metadata={"format": "pt"})
-    make_drafter(tmp_path / "drafter", 1)  # v1 drafts the argmax (v2's selector breaks the tie its own way)
-    target, drafter = load_pair(target_dir, tmp_path / "drafter", F64)
-    engine = Engine(target, drafter, dtype=F64)
+def test_auto_verifies_the_whole_block_where_every_draft_is_accepted(constant_pair):
+    """The constant-head twin: every round accepts its 7 drafts and auto keeps k = 7."""
+    engine = Engine(*constant_pair, dtype=F64)
     got = run(engine, random_prompts(LENGTHS, seed=2), bucket(max_num_seqs=3, max_tokens=256, speculation="auto"),
               max_new_tokens=40)
     assert all(t == 0 for c in got for t in c.token_ids)
     record = engine.schedules["0-256"].stats()
     assert record["acceptance_by_position"] == [1.0] * 7
     assert set(itertools.chain(*(by for by in record["rounds_by_k"].values()))) == {"7"}
+
+
+@pytest.fixture(scope="module")
+def constant_pair(tmp_path_factory):
+    """The constant-head twin: the target's head is zero, so it always picks token 0 and so does
+    the drafter, which borrows the head."""
+    from safetensors.torch import load_file, save_file
+    d = tmp_path_factory.mktemp("const")
+    target_dir = make_target(d / "const")
+    weights = load_file(target_dir / "model.safetensors")
+    weights["lm_head.weight"].zero_()
+    save_file(weights, target_dir / "model.safetensors", metadata={"format": "pt"})
+    make_drafter(d / "drafter", 1)  # v1 drafts the argmax (v2's selector breaks the tie its own way)
+    return load_pair(target_dir, d / "drafter", F64)
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("k", [2, 7])
+@pytest.mark.parametrize("agree", [True, False])
+def test_a_rows_record_counts_the_drafts_its_rounds_verified(constant_pair, k, agree):
+    """With k drafts pinned, every round verifies k; the round that ends a sample counts the
+    drafts up to its last token. Where the drafter always agrees (the constant-head twin) every
+    verified draft is accepted, the last round cut by max_new_tokens inside its drafts too: the
+    proposal acceptance is exactly 1. Where it never agrees (the target's token 0, which the
+    drafter always proposes, biased away), the last round's one token is the target's own after
+    rejecting d_1: k a round, 1 in the last, none accepted."""
+    engine = Engine(*constant_pair, dtype=F64)
+    bias = {} if agree else {"logit_bias": ((0, -100.0),)}
+    got = run(engine, random_prompts(LENGTHS, seed=2), bucket(max_num_seqs=3, max_tokens=256, drafts=k),
+              max_new_tokens=39, **bias)  # 38 tokens after the first: no k + 1 divides it
+    for c in got:
+        spec = c.spec
+        assert 1 + spec.rounds + spec.accepted == len(c.token_ids) == 39
+        assert spec.verified[:-1] == [k] * (spec.rounds - 1)
+        if agree:
+            assert spec.per_round == spec.verified and spec.per_round[-1] == 38 % (k + 1) - 1
+            assert spec.accepted / spec.drafts_verified == 1.0
+        else:
+            assert spec.accepted == 0 and spec.verified[-1] == 1
+        assert spec.verified_histogram[k] == spec.rounds - (spec.verified[-1] != k)
 
 
 @pytest.mark.numerics

@@ -562,8 +562,8 @@ class Engine:
         if scored:
             logprobs = zip(batch.token_logprob[:n].tolist(), batch.top_logprob_ids[:n].tolist(),
                            batch.top_logprobs[:n].tolist())
-        accepted = []
-        for seq, row in zip(running[:n], batch.out[:n].tolist()):
+        accepted, drafts = [], None  # drafts: read back only in a round that ends a sequence
+        for i, (seq, row) in enumerate(zip(running[:n], batch.out[:n].tolist())):
             lps = next(logprobs) if scored else None
             if seq is None:
                 continue
@@ -586,8 +586,17 @@ class Engine:
             seq.check_stop_strings(self.decode, before + 1)
             if seq.spec is not None and block > 1:
                 # Counted after a stop string's cut too: the round keeps only tokens up to it.
-                seq.spec.per_round.append(len(seq.tokens) - before - 1)
-                accepted.append((seq.spec.per_round[-1], seq))
+                kept_drafts, verified = len(seq.tokens) - before - 1, width - 1
+                if seq.finish_reason and kept_drafts < verified:
+                    # The round that ends a sequence counts the drafts up to its last token, the
+                    # last one included only if the target rejected it (the last token is then
+                    # the target's own). A draft accepted as the last token counts as the
+                    # round's token of its own, as in acc_len; drafts past the end never could.
+                    if drafts is None:
+                        drafts = batch.ids[:n, 1:width].tolist()
+                    verified = kept_drafts + (seq.tokens[-1] != drafts[i][kept_drafts])
+                seq.spec.add(kept_drafts, verified)
+                accepted.append((kept_drafts, seq))
         return accepted
 
     @staticmethod

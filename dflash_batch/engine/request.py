@@ -85,11 +85,18 @@ class Request:
 
 @dataclass(slots=True)
 class SpecCounters:
-    """Per-sequence speculation record: drafts accepted in each verify round, in order (the
-    last round counts only the tokens kept before a stop or max_new_tokens)."""
+    """Per-sequence speculation record, a round at a time, in order: the drafts each verify
+    round accepted (the last round counts only the tokens kept before a stop or max_new_tokens)
+    and the drafts it verified (fewer than block_size - 1 when a schedule verifies k of them;
+    engine.py says how the last round counts)."""
 
     block_size: int
     per_round: list[int] = field(default_factory=list)
+    verified: list[int] = field(default_factory=list)
+
+    def add(self, accepted: int, verified: int) -> None:
+        self.per_round.append(accepted)
+        self.verified.append(verified)
 
     @property
     def rounds(self) -> int:
@@ -100,10 +107,22 @@ class SpecCounters:
         return sum(self.per_round)
 
     @property
+    def drafts_verified(self) -> int:
+        return sum(self.verified)
+
+    @property
     def histogram(self) -> list[int]:
         """histogram[n] = rounds in which n drafts were accepted, n = 0..block_size-1."""
+        return self._count(self.per_round)
+
+    @property
+    def verified_histogram(self) -> list[int]:
+        """verified_histogram[n] = rounds that verified n drafts, n = 0..block_size-1."""
+        return self._count(self.verified)
+
+    def _count(self, values: list[int]) -> list[int]:
         hist = [0] * self.block_size
-        for n in self.per_round:
+        for n in values:
             hist[n] += 1
         return hist
 

@@ -23,7 +23,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dflash_batch.io.card import dataset_card
-from dflash_batch.io.ledger import part_files
+from dflash_batch.io.ledger import array_spec, part_files, unfinished_shards
 from dflash_batch.io.openai_batch import CHAT_URL, COMPLETIONS_URL, RequestError, response_line
 from dflash_batch.io.spill import by_key
 from dflash_batch.job import Job, JobError
@@ -50,6 +50,21 @@ def lineage(out_dir: Path) -> list[tuple[Path, dict]]:
         if len(chain) > 1000:
             raise JobError(f"{chain[0][0]}: its retries' parents form a loop")
     return chain[::-1]
+
+
+def unfinished(chain: list[tuple[Path, dict]], partial: bool) -> str:
+    """Refuse a run (or a run it retries) with shards not finished, unless `partial`; then the
+    line a card says it with ("" when every shard is finished)."""
+    gaps = [(d, todo, record["num_shards"]) for d, record in chain
+            if (todo := unfinished_shards(d, record["num_shards"]))]
+    if not gaps:
+        return ""
+    where = "; ".join(f"{d}: shard(s) {array_spec(todo)} of {count}" for d, todo, count in gaps)
+    if not partial:
+        raise JobError(f"not finished ({where}): finish the run (`dflash-batch status {gaps[0][0]}` says how), "
+                       "or export the rows committed so far with --partial")
+    return (f"\n**Partial**: exported before the run finished ({where} had not): these are the rows committed "
+            "by then, not the run's whole output.\n")
 
 
 def _bytes(path: Path) -> int:
@@ -83,7 +98,7 @@ def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
             arrays.append(pa.nulls(table.num_rows, f.type))
             continue
         column = table[f.name]
-        if f.type == pa.string() and not pa.types.is_string(column.type):  # as JSON text, as outputs.py does
+        if f.type == pa.string() and not pa.types.is_string(column.type):  # JSON text, as outputs.py writes mixed values
             column = pa.array([None if v is None else orjson.dumps(v).decode() for v in column.to_pylist()], pa.string())
         arrays.append(column.cast(f.type))
     return pa.Table.from_arrays(arrays, schema=schema)
@@ -127,9 +142,12 @@ def _retry_line(index: int, record: dict) -> str:
     return f"- retry {index} (its rows replace those of the run before it): {changes}\n"
 
 
-def export_dataset(out_dir: Path, dest: Path, rows_per_file: int = 100_000, messages: str | None = None) -> int:
-    """Write the dataset (a run's rows merged with its retries'); returns the rows written."""
+def export_dataset(out_dir: Path, dest: Path, rows_per_file: int = 100_000, messages: str | None = None,
+                   partial: bool = False) -> int:
+    """Write the dataset (a run's rows merged with its retries'); returns the rows written.
+    `partial`: of a run not finished yet, the rows committed so far (the card says so)."""
     chain = lineage(out_dir)
+    partial_line = unfinished(chain, partial)
     job = Job.model_validate(chain[0][1]["job"])  # the card's settings: the first run's, then each retry's changes
     total = sum(pq.ParquetFile(p).metadata.num_rows for d, _ in chain for p in part_files(d))  # an upper bound
     files = max(1, -(-total // rows_per_file))
@@ -137,7 +155,8 @@ def export_dataset(out_dir: Path, dest: Path, rows_per_file: int = 100_000, mess
     if any((dest / "data").iterdir()):
         raise JobError(f"{dest / 'data'} is not empty: export into a new directory")
     writer, index, in_file, written, names = None, 0, 0, 0, []
-    ok = rounds = accepted = 0
+    ok = rounds = accepted = verified = 0
+    whole_block = False  # some rows predate the record of drafts verified (output schema v1)
     spans: dict[str, tuple[int, int]] = {}  # column -> (min, max) over the rows written
     for table in merged_rows(chain, grouped=False, spill_dir=dest):
         if messages is not None:
@@ -145,6 +164,14 @@ def export_dataset(out_dir: Path, dest: Path, rows_per_file: int = 100_000, mess
         ok += pc.sum(pc.equal(table["status"], "ok")).as_py() or 0
         rounds += pc.sum(table["spec_rounds"]).as_py() or 0
         accepted += pc.sum(table["spec_accepted"]).as_py() or 0
+        assumed = pc.multiply(pc.subtract(pc.cast(table["spec_block_size"], pa.int64()), 1), table["spec_rounds"])
+        if "spec_drafts_verified" in table.column_names:
+            recorded = pc.cast(table["spec_drafts_verified"], pa.int64())
+            whole_block |= bool(pc.any(pc.and_(pc.is_null(recorded), pc.is_valid(assumed))).as_py())
+            assumed = pc.coalesce(recorded, assumed)
+        else:
+            whole_block |= bool(pc.any(pc.is_valid(assumed)).as_py())
+        verified += pc.sum(assumed).as_py() or 0
         for column in ("prompt_tokens", "completion_tokens"):
             lo, hi = pc.min_max(table[column]).values()
             if lo.is_valid:
@@ -165,18 +192,23 @@ def export_dataset(out_dir: Path, dest: Path, rows_per_file: int = 100_000, mess
     for name in names:  # merged retries replace rows: fewer files than the bound, renamed to say so
         name.rename(name.with_name(name.name.replace(f"-of-{files:05d}", f"-of-{len(names):05d}")))
     acc = f"{1 + accepted / rounds:.2f}" if rounds else "n/a (no speculation)"
+    if verified:
+        acc += (f", proposal acceptance (accepted / drafts verified, pooled) {accepted / verified:.3f}"
+                + (" (rows written before outputs recorded the drafts verified count every round as verifying "
+                   "the whole block)" if whole_block else ""))
     ranges = "; ".join(f"{c.replace('_', ' ')} {lo}-{hi}" for c, (lo, hi) in spans.items())
     summary = (f"- rows: {ranges}\n" if ranges else "") + "".join(_retry_line(i, record) for i, (_, record) in enumerate(chain) if i)
     summary += (f"\n{written} rows: {ok} ok, {written - ok} error; acceptance length (1 + accepted / rounds, "
-                f"pooled) {acc}.\n")
+                f"pooled) {acc}.\n") + partial_line
     (dest / "README.md").write_text(dataset_card(job, "data/train-*.parquet", summary))
     return written
 
 
-def export_openai_batch(out_dir: Path, dest: Path) -> int:
+def export_openai_batch(out_dir: Path, dest: Path, partial: bool = False) -> int:
     """Write one OpenAI Batch API output line per request (a run's rows merged with its
-    retries'); returns the lines written."""
+    retries'); returns the lines written. `partial`: as export_dataset's."""
     chain = lineage(out_dir)
+    unfinished(chain, partial)
     job = Job.model_validate(chain[-1][1]["job"])
     if dest.exists():
         raise JobError(f"{dest} exists: export into a new file")

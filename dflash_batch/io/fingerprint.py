@@ -101,13 +101,25 @@ def run_identity(job: Job, out_dir: Path, inputs: dict[str, str] | None = None) 
     prints = Fingerprints(out_dir)
     identity = {f"model.{field}": _files(value, prints) for field in sorted(LOCATIONS["model"])
                 if (value := getattr(job.model, field)) is not None}
-    if inputs is None:
-        files = [f for f, _ in expand_paths(job.input.paths, job.input.format)]
-        inputs = {(f if isinstance(f, str) else name): ("url" if isinstance(f, str) else prints.of(f))
-                  for f, name in zip(files, source_names(files))}
-    identity["input.paths"] = inputs
+    identity["input.paths"] = _inputs(job, prints) if inputs is None else inputs
     prints.save()
     return identity
+
+
+def _inputs(job: Job, prints: Fingerprints) -> dict[str, str]:
+    files = [f for f, _ in expand_paths(job.input.paths, job.input.format)]
+    return {(f if isinstance(f, str) else name): ("url" if isinstance(f, str) else prints.of(f))
+            for f, name in zip(files, source_names(files))}
+
+
+def input_identity(job: Job, out_dir: Path) -> dict[str, str] | None:
+    """The input files by content, as the run identity has them: a shard that got through them
+    got through them wherever they now lie. None when an input is remote: nothing cheap says
+    whether it changed, so a shard reading one is never taken as finished."""
+    prints = Fingerprints(out_dir)
+    inputs = _inputs(job, prints)
+    prints.save()
+    return None if "url" in inputs.values() else inputs
 
 
 def identity_changes(old: dict[str, dict[str, str]], new: dict[str, dict[str, str]]) -> list[str]:

@@ -199,18 +199,6 @@ def read_records(spec: InputSpec, part: tuple[int, int] = (0, 1),
             yield records()
 
 
-def input_fingerprint(spec: InputSpec) -> list | None:
-    """(file, size, mtime) of every input file: a finished shard is finished for these files
-    only. None when an input is remote (no cheap fingerprint: such a shard is always rerun)."""
-    out = []
-    for path, _ in expand_paths(spec.paths, spec.format):
-        if isinstance(path, str):
-            return None
-        st = path.stat()
-        out.append([str(path.resolve()), st.st_size, st.st_mtime_ns])
-    return out
-
-
 def _jsonl_head(path: InputFile) -> list[Record]:
     """The first SCHEMA_LINES non-empty lines of a JSONL file, parsed."""
     batches = _jsonl_batches(path, str(path), SCHEMA_LINES)

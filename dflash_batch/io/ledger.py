@@ -31,6 +31,7 @@ from dflash_batch.job import Job, JobError, is_location, is_tuning
 from dflash_batch.keys import Shard, hash64
 
 RAY_INPUT = "<a Ray dataset>"  # a Ray stage's input.paths in run.json (ray.py): `status` knows such a run by it
+RAY_IDENTITY = {RAY_INPUT: "ray"}  # what stands for a Ray stage's input files (its run identity, its stats)
 
 
 def shard_dir(out_dir: Path, index: int) -> Path:
@@ -213,20 +214,48 @@ def keys_to_skip(out_dir: Path, index: int, job: Job) -> DoneSet | Skipped:
     return done if job.retry is None else Skipped(done, _key_hashes([Path(job.retry.samples)]))
 
 
-STAT_COLUMNS = ["bucket", "status", "completion_tokens", "spec_rounds", "spec_accepted",
+STAT_COLUMNS = ["bucket", "status", "completion_tokens", "spec_rounds", "spec_accepted", "spec_drafts_verified",
                 "spec_histogram", "spec_block_size"]
+VERIFIED = ("spec_drafts_verified", "spec_verified_histogram")  # output schema v2
 
 
-def count_committed(out_dir: Path) -> tuple[Counter, Counter]:
-    """Committed rows per (shard, status) and per (bucket, status), counted part by part with
-    Arrow: memory does not grow with the number of rows."""
-    by_shard, by_bucket = Counter(), Counter()
+def read_part(path: Path, columns: list[str]) -> tuple[pa.Table, bool]:
+    """A part's columns, and whether it predates the record of drafts verified (output schema v1):
+    such a part's VERIFIED columns are made as if every round verified the whole block, the
+    assumption the figures written with it made."""
+    names = set(pq.read_schema(path).names)
+    if all(c in names for c in columns if c in VERIFIED):
+        return pq.read_table(path, columns=columns), False
+    t = pq.read_table(path, columns=list(dict.fromkeys(
+        [c for c in columns if c not in VERIFIED] + ["spec_block_size", "spec_rounds"])))
+    drafts = pc.subtract(pc.cast(t["spec_block_size"], pa.int64()), 1)
+    rounds = pc.cast(t["spec_rounds"], pa.int64()).fill_null(0)
+    made = {"spec_drafts_verified": pc.multiply(drafts, rounds).cast(pa.int32())}
+    if "spec_verified_histogram" in columns:  # [0, .., 0, rounds]: every round verified block - 1 drafts
+        widths = pc.add(drafts, 1).fill_null(0).to_numpy()
+        offsets = np.concatenate([[0], np.cumsum(widths)]).astype(np.int32)
+        values = np.zeros(int(offsets[-1]), np.int32)
+        values[offsets[1:][widths > 0] - 1] = rounds.to_numpy()[widths > 0]
+        made["spec_verified_histogram"] = pa.ListArray.from_arrays(
+            pa.array(offsets), pa.array(values), mask=pc.is_null(t["spec_block_size"]).combine_chunks())
+    return pa.table({c: made[c] if c in made else t[c] for c in columns}), True
+
+
+def count_committed(out_dir: Path) -> tuple[Counter, Counter, dict[str, tuple[int, str]]]:
+    """Committed rows per (shard, status) and per (bucket, status), and error rows per error_type
+    (their count and a row id), counted part by part with Arrow: memory does not grow with the
+    number of rows."""
+    by_shard, by_bucket, by_error = Counter(), Counter(), {}
     for f in part_files(out_dir):
-        t = pq.read_table(f, columns=["shard_index", "bucket", "status"])
+        t = pq.read_table(f, columns=["shard_index", "bucket", "status", "error_type", "row_id"])
         for keys, into in ((["shard_index", "status"], by_shard), (["bucket", "status"], by_bucket)):
             for row in t.group_by(keys).aggregate([("status", "count")]).to_pylist():
                 into[(row[keys[0]], row["status"])] += row["status_count"]
-    return by_shard, by_bucket
+        errors = t.filter(pc.equal(t["status"], "error"))
+        for row in errors.group_by("error_type").aggregate([("row_id", "count"), ("row_id", "min")]).to_pylist():
+            count, example = by_error.get(row["error_type"], (0, row["row_id_min"]))
+            by_error[row["error_type"]] = (count + row["row_id_count"], min(example, row["row_id_min"]))
+    return by_shard, by_bucket, by_error
 
 
 def list_sums(lists: pa.ChunkedArray | pa.Array, code: np.ndarray, n: int) -> np.ndarray:
@@ -253,12 +282,11 @@ def _bucket_totals(t: pa.Table) -> dict[str, dict]:
     names, code = buckets.dictionary.to_pylist(), buckets.indices.to_numpy()
     n = len(names)
     ok = pc.cast(pc.equal(t["status"], "ok"), pa.int64())
-    drafted = pc.multiply(pc.subtract(pc.cast(t["spec_block_size"], pa.int64()), 1), t["spec_rounds"])
     sums = {"rows": np.bincount(code, minlength=n).tolist(), "ok": _per_bucket(code, n, ok),
             "completion_tokens": _per_bucket(code, n, t["completion_tokens"]),
             "spec_rounds": _per_bucket(code, n, t["spec_rounds"]),
             "spec_accepted": _per_bucket(code, n, t["spec_accepted"]),
-            "spec_drafted": _per_bucket(code, n, drafted),
+            "spec_drafts_verified": _per_bucket(code, n, t["spec_drafts_verified"]),
             # ok rows decoded with the drafter (an auto bucket that turned it off has fewer)
             "speculated": _per_bucket(code, n, pc.multiply(ok, pc.is_valid(t["spec_block_size"]).cast(pa.int64())))}
     matrix = list_sums(t["spec_histogram"], code, n)
@@ -287,7 +315,7 @@ def _with_ratios(totals: dict[str, dict]) -> dict[str, dict]:
     for b in totals.values():
         b["error"] = b["rows"] - b["ok"]
         b["acc_len"] = 1 + b["spec_accepted"] / b["spec_rounds"] if b["spec_rounds"] else None
-        b["proposal_acceptance"] = b["spec_accepted"] / b["spec_drafted"] if b["spec_drafted"] else None
+        b["proposal_acceptance"] = b["spec_accepted"] / b["spec_drafts_verified"] if b["spec_drafts_verified"] else None
         b["speculation"] = speculation(b["speculated"], b["ok"])
     return totals
 
@@ -298,7 +326,7 @@ def speculation(speculated: int, ok: int) -> str:
     return "off" if not speculated else "on" if speculated == ok else f"on for {speculated}/{ok}"
 
 
-def write_shard_stats(out_dir: Path, index: int, complete: bool, inputs: list | None = None,
+def write_shard_stats(out_dir: Path, index: int, complete: bool, inputs: dict | None = None,
                       count: bool = True, schedule: dict | None = None) -> dict[str, dict]:
     """Per-bucket totals of the shard's committed parts, whether its run got through all of its
     input (`inputs`: the fingerprint of the files it read), and, once it has, the keys committed
@@ -312,7 +340,7 @@ def write_shard_stats(out_dir: Path, index: int, complete: bool, inputs: list | 
 
     def parts() -> Iterator[pa.Table]:  # each part read once: its totals, then its keys
         for f in files:
-            t = pq.read_table(f, columns=STAT_COLUMNS + keys)
+            t, _ = read_part(f, STAT_COLUMNS + keys)
             _merge(totals, _bucket_totals(t))
             yield t.select(keys)
 
@@ -347,7 +375,7 @@ def _rows(files: list[Path]) -> int:
     return sum(pq.ParquetFile(f).metadata.num_rows for f in files)
 
 
-def shard_finished(out_dir: Path, index: int, inputs: list | None) -> bool:
+def shard_finished(out_dir: Path, index: int, inputs: dict | None) -> bool:
     """Whether this shard's run already got through all of these very input files and its parts
     are still all there (a rerun would find nothing to do)."""
     path = out_dir / "stats" / f"shard-{index:05d}.json"
@@ -359,16 +387,25 @@ def shard_finished(out_dir: Path, index: int, inputs: list | None) -> bool:
 
 
 def shard_states(out_dir: Path, num_shards: int) -> list[str]:
-    """Each shard's state from its stats file: complete, incomplete (stopped before the end of
-    its input: preempted, killed, failed) or not started."""
+    """Each shard's state from its stats file: complete (and its parts still the rows it
+    counted then), incomplete (stopped before the end of its input: preempted, killed, failed;
+    or parts committed since: a Ray pipeline's rows after it was marked finished) or not started."""
     states = []
     for i in range(num_shards):
         path = out_dir / "stats" / f"shard-{i:05d}.json"
         if path.exists():
-            states.append("complete" if orjson.loads(path.read_bytes()).get("complete") else "incomplete")
+            record = orjson.loads(path.read_bytes())
+            whole = record.get("complete") and record.get("rows") == _rows(part_files(out_dir, i))
+            states.append("complete" if whole else "incomplete")
         else:
             states.append("incomplete" if part_files(out_dir, i) else "not started")
     return states
+
+
+def unfinished_shards(out_dir: Path, num_shards: int) -> list[int]:
+    """The shards of a run whose runs have not got through their input (or a Ray pipeline's
+    output not marked finished, ray.finish): what export and retry refuse to take as whole."""
+    return [i for i, s in enumerate(shard_states(out_dir, num_shards)) if s != "complete"]
 
 
 def array_spec(indices: list[int]) -> str:

@@ -9,20 +9,20 @@ from __future__ import annotations
 
 import errno
 import os
+import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_batch import __version__
+from dflash_batch.job import Job, JobError
 
-if TYPE_CHECKING:
-    from dflash_batch.job import Job
-
-SCHEMA_VERSION = 1
+# 2: spec_drafts_verified and spec_verified_histogram (v1 rows assumed every round verified the block)
+SCHEMA_VERSION = 2
 
 # (name, arrow type, nullable, description). Passthrough columns follow sample_index.
 COLUMNS: list[tuple[str, pa.DataType, bool, str]] = [
@@ -43,9 +43,12 @@ COLUMNS: list[tuple[str, pa.DataType, bool, str]] = [
     ("spec_block_size", pa.int16(), True, "verify width (anchor + drafts); null without speculation"),
     ("spec_rounds", pa.int32(), True, "verify rounds (null without speculation)"),
     ("spec_accepted", pa.int32(), True, "accepted draft tokens, bonus tokens excluded"),
+    ("spec_drafts_verified", pa.int32(), True, "drafts the target verified over the rounds (block_size - 1 "
+     "a round, or the k a draft schedule chose; in the last round, those up to the sample's end)"),
     ("spec_histogram", pa.list_(pa.int32()), True, "rounds with 0..block_size-1 accepted drafts"),
+    ("spec_verified_histogram", pa.list_(pa.int32()), True, "rounds that verified 0..block_size-1 drafts"),
     ("acc_len", pa.float64(), True, "1 + spec_accepted / spec_rounds"),
-    ("proposal_acceptance", pa.float64(), True, "spec_accepted / ((block_size - 1) * spec_rounds)"),
+    ("proposal_acceptance", pa.float64(), True, "spec_accepted / spec_drafts_verified"),
     ("ttft_s", pa.float64(), True, "admission to first token, seconds"),
     ("latency_s", pa.float64(), True, "admission to finish, seconds"),
     ("shard_index", pa.int32(), False, "the shard that wrote the row"),
@@ -86,8 +89,10 @@ def _passthrough_array(values: list[Any]) -> pa.Array:
     try:
         return pa.array(values)
     except (pa.ArrowInvalid, pa.ArrowTypeError):
-        # Mixed JSON types in one column cannot share an Arrow type: keep them as JSON text.
-        return pa.array([None if v is None else orjson.dumps(v).decode() for v in values], pa.string())
+        # Mixed JSON types (dicts and strings) share no Arrow type: a text column, its strings as
+        # they are (as in a part whose values are all strings) and the other values as JSON text.
+        return pa.array([v if v is None or isinstance(v, str) else orjson.dumps(v).decode() for v in values],
+                        pa.string())
 
 
 def output_record(row: dict, passthrough: list[str], optional: list[str]) -> dict:
@@ -116,6 +121,22 @@ def rows_to_table(rows: list[dict], passthrough: list[str], optional: list[str],
         arrays.append(pa.array([r.get(name) for r in rows], typ))
         fields.append(pa.field(name, typ))
     return pa.Table.from_arrays(arrays, schema=pa.schema(fields, metadata=metadata))
+
+
+def check_writable(out_dir: Path, field: str = "output.dir") -> None:
+    """Refuse an output directory this process cannot write, before anything is loaded: a file
+    is made and removed in it, or in the nearest directory above it that exists (where it
+    would be made). Permission bits say nothing of a read-only mount, nor to root."""
+    where = out_dir
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    if not where.is_dir():
+        raise JobError(f"{field}: {out_dir} cannot be made: {where} is not a directory")
+    try:
+        tempfile.TemporaryFile(dir=where).close()
+    except OSError as e:
+        raise JobError(f"{field}: {out_dir} is not writable ({e.strerror or e} creating a file in {where}); "
+                       "choose another output.dir or --output-dir") from None
 
 
 def _fsync_dir(path: Path) -> None:
@@ -178,8 +199,9 @@ class PartWriter:
         self.last_flush = time.monotonic()
         self.committed_rows = 0
 
-    def add(self, row: dict) -> None:
-        self.buffer.append(row)
+    def add(self, rows: list[dict]) -> None:
+        """Rows that land in the same part."""
+        self.buffer += rows
         if len(self.buffer) >= self.rows_per_part or time.monotonic() - self.last_flush > self.flush_seconds:
             self.flush()
 

@@ -34,9 +34,9 @@ def expected_rows(job: Job, count: int) -> list[int]:
     return rows
 
 
-def shard_plan(out_dir: Path, job: Job, count: int, inputs: list) -> list[int]:
+def shard_plan(out_dir: Path, job: Job, count: int, inputs: dict) -> list[int]:
     """expected_rows, from OUT_DIR/shard_plan.json when it was counted from these input files
-    (`inputs`: io.inputs.input_fingerprint's; remote inputs have none, and are not counted:
+    (`inputs`: io.fingerprint.input_identity's; remote inputs have none, and are not counted:
     nothing would tell whether a count still holds, and counting reads the whole dataset)."""
     path = out_dir / "shard_plan.json"
     if path.exists():

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
+
 ROLES = ("system", "developer", "user", "assistant", "tool")  # the OpenAI chat roles
 
 
@@ -67,6 +69,14 @@ def _tool_calls_problem(calls: Any) -> str | None:
             return f"{where}.function: {'missing' if fn is None else 'must be an object {name, arguments}'}"
         if not isinstance(fn.get("name"), str) or not fn["name"]:
             return f"{where}.function.name: must be a non-empty string"
-        if not isinstance(fn.get("arguments"), str | dict):
+        arguments = fn.get("arguments")
+        if not isinstance(arguments, str | dict):
             return f"{where}.function.arguments: must be a JSON string or an object"
+        if isinstance(arguments, str):  # the OpenAI form: an object's JSON, which templates parse
+            try:
+                arguments = orjson.loads(arguments)
+            except orjson.JSONDecodeError:
+                return f"{where}.function.arguments: not JSON: {arguments[:60]!r}"
+            if not isinstance(arguments, dict):
+                return f"{where}.function.arguments: must encode an object, got {type(arguments).__name__}"
     return None
