@@ -214,7 +214,11 @@ def _run(job_file: str, shard_text: str | None, output_dir: str | None, no_progr
             if isinstance(e, DistError) or "closed by peer" in str(e):  # NCCL's word for a rank gone; gloo's
                 click.echo("the tensor-parallel group lost a rank: the first one to fail names itself in its "
                            f"log (a rank killed outright names nobody: see its node's log). {RESUME_HINT}", err=True)
-            sys.exit(1)
+            sys.exit(1)  # the group not left: shutting it down could wait on the rank that is gone
+        except SystemExit:  # a run that stops itself (too many error rows, a bad job): its group is whole
+            parallel.leave_group()
+            raise
+        parallel.leave_group()
     elif tp == 1:
         _set_threads(1)
         _run_shard(job, shard, not no_progress, job_file)
