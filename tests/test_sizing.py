@@ -253,8 +253,10 @@ def test_an_auto_bucket_holds_the_one_row_batch_it_switches_to(jobs, family, tmp
                     capture_sizes=CPU.capture_sizes, auto_speculation=(9.0, 3), log=log.append)  # no block reaches 9
     requests = [Request(r.key, r.prompt_ids, SamplingParams(max_new_tokens=8, seed=i, logprobs=2, repetition_penalty=1.1))
                 for i, r in enumerate(_requests(bucket, bucket.max_num_seqs, target.vocab_size, 0.0))]
-    # generate allocates the bucket (and frees what the switch replaces) while the allocator is watched
-    _, steps = phase_peaks(engine, lambda: list(engine.generate(requests, bucket)), ("_stop_speculating",))
+    # Allocated while the allocator is watched (it reports no free of a block allocated before), and
+    # before generate, which goes on with that bucket state, as with each window of a run's rows.
+    _, steps = phase_peaks(engine, lambda: (engine.allocate(bucket), list(engine.generate(requests, bucket))),
+                           ("_stop_speculating",))
     assert any("speculation off (auto)" in line for line in log), log
     _, held = steps["_stop_speculating"]
     print(f"{family}: held once switched {held:,} B, planned {need.caches + need.batch:,} B")
