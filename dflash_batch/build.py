@@ -31,7 +31,7 @@ class EngineSetup:
     cuda_graphs: bool
     compile: bool
     capture_sizes: list[int] | None
-    kernels: str                    # "triton": kernels/' Triton kernels (MoE, AttnRes, sampling...); "torch": their references
+    kernels: str                    # "triton": kernels/' Triton kernels (MoE, AttnRes, ...); "torch": references
 
     def describe(self) -> str:
         graphs = f"on, sizes {self.capture_sizes}" if self.cuda_graphs else "off"
@@ -74,9 +74,9 @@ class _Checkpoint:
 
 
 def _why_host_reads(target: _Checkpoint, kernels: str) -> str | None:
-    """Why the target's decode round would read tensor values on the host on `device` (None: it
-    reads none, tests/test_round_host_reads.py, so it can be captured as CUDA graphs or compiled;
-    any DFlash drafter reads none) with `kernels` (EngineSetup.kernels)."""
+    """Why the target's decode round would read tensor values on the host with these `kernels`
+    (EngineSetup.kernels; None: it reads none, tests/test_round_host_reads.py, so it can be
+    captured as CUDA graphs or compiled; any DFlash drafter reads none)."""
     if target.architecture == QWEN3:
         return None
     if target.architecture != KIMI_K3:

@@ -4,9 +4,10 @@ The plan is for a CUDA GPU with the gpu extra installed (GPU_HOST): the attentio
 CUDA graphs and capture sizes build.py picks there for the job, whatever the planning host has,
 so a login node and a GPU node give the same plan. The target and drafter are built from their
 config.json alone, as rank 0 of the job's tensor-parallel group holds them (parallel.planned), on
-the meta device: no weight is read and no byte allocated. Their parameters are the weights a rank keeps (MXFP4 experts packed, the rest in the
-job's dtype); each bucket's caches, recurrent state, drafter rings, verify staging and decoding
-state are what Engine.allocate makes of them, the same calls a run makes. Activations are the
+the meta device: no weight is read and no byte allocated. Their parameters are the weights a rank
+keeps (MXFP4 experts packed, the rest in the job's dtype); each bucket's caches, recurrent state,
+drafter rings, verify staging and decoding state are what Engine.allocate makes of them, the same
+calls a run makes. Activations are the
 bound of models/activations.py for a prefill chunk and for the round at the bucket's largest
 capture size; with CUDA graphs every captured round shares one pool, the largest round's.
 The reserve stands for what no tensor shows: the CUDA context, NCCL's buffers, the caching

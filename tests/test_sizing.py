@@ -251,7 +251,8 @@ def test_an_auto_bucket_holds_the_one_row_batch_it_switches_to(jobs, family, tmp
     engine = Engine(target, drafter, page_size=job.engine.page_size,
                     max_num_batched_tokens=job.engine.max_num_batched_tokens, device="cpu", attention=TORCH,
                     capture_sizes=CPU.capture_sizes, auto_speculation=(9.0, 3), log=log.append)  # no block reaches 9
-    requests = [Request(r.key, r.prompt_ids, SamplingParams(max_new_tokens=8, seed=i, logprobs=2, repetition_penalty=1.1))
+    asks = dict(max_new_tokens=8, logprobs=2, repetition_penalty=1.1)
+    requests = [Request(r.key, r.prompt_ids, SamplingParams(seed=i, **asks))
                 for i, r in enumerate(_requests(bucket, bucket.max_num_seqs, target.vocab_size, 0.0))]
     # Allocated while the allocator is watched (it reports no free of a block allocated before), and
     # before generate, which goes on with that bucket state, as with each window of a run's rows.
