@@ -31,11 +31,12 @@ class EngineSetup:
     cuda_graphs: bool
     compile: bool
     capture_sizes: list[int] | None
+    kernels: str                    # "triton": kernels/' Triton kernels (MoE, AttnRes, ...); "torch": references
 
     def describe(self) -> str:
         graphs = f"on, sizes {self.capture_sizes}" if self.cuda_graphs else "off"
         padded = f", rounds padded to {self.capture_sizes}" if self.capture_sizes and not self.cuda_graphs else ""
-        return (f"engine: device={self.device} backend={self.backend} cuda_graphs={graphs} "
+        return (f"engine: device={self.device} backend={self.backend} kernels={self.kernels} cuda_graphs={graphs} "
                 f"compile={'on' if self.compile else 'off'}{padded}")
 
 
@@ -72,17 +73,17 @@ class _Checkpoint:
         return self.architecture == KIMI_K3 or self.attention == "mla"
 
 
-def _why_host_reads(target: _Checkpoint, device: str) -> str | None:
-    """Why the target's decode round would read tensor values on the host on `device` (None: it
-    reads none, tests/test_round_host_reads.py, so it can be captured as CUDA graphs or compiled;
-    any DFlash drafter reads none)."""
+def _why_host_reads(target: _Checkpoint, kernels: str) -> str | None:
+    """Why the target's decode round would read tensor values on the host with these `kernels`
+    (EngineSetup.kernels; None: it reads none, tests/test_round_host_reads.py, so it can be
+    captured as CUDA graphs or compiled; any DFlash drafter reads none)."""
     if target.architecture == QWEN3:
         return None
     if target.architecture != KIMI_K3:
         return f"{target.architecture} reads lengths on the host inside its forward"
     if not target.packed_experts:
         return "Kimi-K3's routed experts, stored unpacked (not MXFP4), are grouped by expert on the host"
-    if device != "cuda" or not _triton.available():
+    if kernels != "triton":
         return ("Kimi-K3's MXFP4 experts are grouped by expert on the host by the torch path (the Triton "
                 "kernel, on CUDA, groups them on the device)")
     return None
@@ -111,11 +112,13 @@ def _why_not_flashinfer(job: Job, target: _Checkpoint, drafter: _Checkpoint | No
     return None
 
 
-def resolve_engine(job: Job, cuda: bool | None = None, flashinfer: bool | None = None) -> EngineSetup:
-    """The engine settings this job gets on this host (`cuda`, `flashinfer`: what the host has;
-    None = look). A setting that cannot take effect is a JobError naming it and why."""
+def resolve_engine(job: Job, cuda: bool | None = None, flashinfer: bool | None = None,
+                   triton: bool | None = None) -> EngineSetup:
+    """The engine settings this job gets on this host (`cuda`, `flashinfer`, `triton`: what the
+    host has; None = look). A setting that cannot take effect is a JobError naming it and why."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
     flashinfer = importlib.util.find_spec("flashinfer") is not None if flashinfer is None else flashinfer
+    triton = _triton.available() if triton is None else triton
     e, tp = job.engine, job.model.tensor_parallel_size
     target_ckpt = _Checkpoint.read(job.model.target, "target")
     drafter_ckpt = _Checkpoint.read(job.model.drafter, "drafter") if job.model.drafter else None
@@ -135,8 +138,9 @@ def resolve_engine(job: Job, cuda: bool | None = None, flashinfer: bool | None =
     backend = "flashinfer" if e.backend != "torch" and why_not_flashinfer is None else "torch"
     # backend: torch is the CPU reference path, even on a CUDA host.
     device = "cuda" if cuda and e.backend != "torch" else "cpu"
+    kernels = "triton" if device == "cuda" and triton else "torch"  # as kernels.ops(device) picks them
 
-    host_reads = _why_host_reads(target_ckpt, device)
+    host_reads = _why_host_reads(target_ckpt, kernels)
     # Under tensor parallelism every rank captures the same rounds, NCCL collectives inside them.
     why_no_graphs = (
         "they need a CUDA device (this host has none, or engine.backend is torch)" if device != "cuda" else
@@ -162,7 +166,7 @@ def resolve_engine(job: Job, cuda: bool | None = None, flashinfer: bool | None =
         if sizes[-1] < largest:
             raise JobError(f"engine.cudagraph_capture_sizes {sizes} must reach every bucket's max_num_seqs "
                            f"(the largest is {largest})")
-    return EngineSetup(device, backend, graphs, compiled, sizes)
+    return EngineSetup(device, backend, graphs, compiled, sizes, kernels)
 
 
 def _load(path: str, dtype: torch.dtype, device: str, role: str):

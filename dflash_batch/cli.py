@@ -317,11 +317,16 @@ def plan_command(job_file: str, gpu_memory: str | None, gpus_per_node: int, tens
                  reserve_gb: float | None) -> None:
     """Memory per rank of JOB_FILE on a GPU, from its checkpoints' config.json alone (models built
     on the meta device): weights, each bucket's caches and activations, the largest max_num_seqs
-    that fits, the smallest tensor-parallel size that fits. Exits 1 when the job does not fit."""
+    that fits, the smallest tensor-parallel size that fits. The plan is for a CUDA GPU with the gpu
+    extra installed, whatever this host has. Exits 1 when the job does not fit."""
     from dflash_batch.job import gpu_bytes
-    from dflash_batch.sizing import plan_job, smallest_tp
+    from dflash_batch.sizing import gb, plan_job, smallest_tp
 
     try:
+        for option, value, least in (("--gpus-per-node", gpus_per_node, 1), ("--tensor-parallel", tensor_parallel, 1),
+                                     ("--reserve-gb", reserve_gb, 0)):
+            if value is not None and not least <= value < float("inf"):
+                raise JobError(f"{option} {value}: give a number of {least} or more")
         job = load_job(job_file)
         memory = gpu_memory or job.engine.gpu_memory
         if memory is None:
@@ -341,7 +346,7 @@ def plan_command(job_file: str, gpu_memory: str | None, gpus_per_node: int, tens
     except JobError as e:
         _fail(e)
     if not plan.fits:
-        click.echo(f"{job_file}: does not fit at TP{plan.tp} on a GPU of {gpu / 10**9:.0f} GB (see 'NO' above)",
+        click.echo(f"{job_file}: does not fit at TP{plan.tp} on a GPU of {gb(gpu)} GB (see 'NO' above)",
                    err=True)
         sys.exit(1)
     click.echo(f"{job_file}: fits")

@@ -34,8 +34,8 @@ def gpu_bytes(text: str) -> int:
         size = float(key.removesuffix("gb"))
     except ValueError:
         size = 0.0
-    if not 0 < size < float("inf"):
-        raise ValueError(f"GPU memory {text!r}: give a positive size in GB or one of {', '.join(GPUS)}")
+    if not 1 <= size < float("inf"):  # below 1 GB: a slip (MB? a fraction?), not a GPU
+        raise ValueError(f"GPU memory {text!r}: give a size in GB (1 or more) or one of {', '.join(GPUS)}")
     return int(size * 10**9)
 
 

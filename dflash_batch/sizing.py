@@ -1,15 +1,18 @@
 """What a job needs of each GPU: the memory plan, computed by the engine's own code on the meta device.
 
-The target and drafter are built from their config.json alone, as rank 0 of the job's tensor-
-parallel group holds them (parallel.planned), on the meta device: no weight is read and no byte
-allocated. Their parameters are the weights a rank keeps (MXFP4 experts packed, the rest in the
-job's dtype); each bucket's caches, recurrent state, drafter rings, verify staging and decoding
-state are what Engine.allocate makes of them, the same calls a run makes. Activations are the
+The plan is for a CUDA GPU with the gpu extra installed (GPU_HOST): the attention backend, kernels,
+CUDA graphs and capture sizes build.py picks there for the job, whatever the planning host has,
+so a login node and a GPU node give the same plan. The target and drafter are built from their
+config.json alone, as rank 0 of the job's tensor-parallel group holds them (parallel.planned), on
+the meta device: no weight is read and no byte allocated. Their parameters are the weights a rank
+keeps (MXFP4 experts packed, the rest in the job's dtype); each bucket's caches, recurrent state,
+drafter rings, verify staging and decoding state are what Engine.allocate makes of them, the same
+calls a run makes. Activations are the
 bound of models/activations.py for a prefill chunk and for the round at the bucket's largest
 capture size; with CUDA graphs every captured round shares one pool, the largest round's.
 The reserve stands for what no tensor shows: the CUDA context, NCCL's buffers, the caching
 allocator's fragmentation. tests/test_sizing.py checks weights and caches to the byte against
-the CPU allocator on the tiny models, and the activations' bound against its peak.
+the CPU allocator on the tiny models, and the activations' bound against its peaks.
 """
 
 from __future__ import annotations
@@ -30,11 +33,18 @@ from dflash_batch.job import Job, JobError, gpu_bytes
 from dflash_batch.models import activations
 from dflash_batch.models.loader import build_model
 from dflash_batch.plan.buckets import Bucket, plan_buckets
-from kernels import _triton
 
 GB = 10**9
 TP_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 FLASHINFER_WORKSPACE = 256 << 20  # backends/flashinfer_attention.py's default
+# The host a plan is for, whatever the planning host has installed: a CUDA GPU with the gpu extra
+# (flashinfer, Triton, fla-core), so a login node and a GPU node give the same plan.
+GPU_HOST = dict(cuda=True, flashinfer=True, triton=True)
+
+
+def gb(size: int) -> str:
+    """Bytes as GB, to four figures (a GPU of 0.5 GB is not 'a GPU of 0 GB')."""
+    return f"{size / GB:.4g}"
 
 
 def default_reserve(gpu: int) -> int:
@@ -91,11 +101,11 @@ class Plan:
         return all(map(self.holds, self.buckets))
 
     def table(self) -> str:
-        lines = [*self.notes, f"per rank, TP{self.tp}, on a GPU of {self.gpu / GB:.0f} GB:"]
+        lines = [*self.notes, f"per rank, TP{self.tp}, on a GPU of {gb(self.gpu)} GB:"]
         lines += [f"  {name:<40} {size / GB:>8.2f} GB" for name, size in {**self.weights, **self.fixed}.items()]
         lines.append(f"  {'weights and fixed':<40} {self.base / GB:>8.2f} GB")
         if self.base > self.gpu:
-            lines.append(f"  weights and fixed alone exceed the GPU's {self.gpu / GB:.0f} GB: not one sequence fits")
+            lines.append(f"  weights and fixed alone exceed the GPU's {gb(self.gpu)} GB: not one sequence fits")
         head = (f"  {'bucket':<14} {'seqs':>5} {'caches':>8} {'batch':>7} {'prefill':>8} {'round':>8} "
                 f"{'total':>8} {'fits':>5} {'largest seqs':>12}")
         lines.append(head + "   (GB; round: a CUDA-graph pool where graphs are on)")
@@ -119,9 +129,12 @@ class _Sizer:
             if path:
                 paths[role], note = config_dir(path, job_dir)
                 self.notes += [note] if note else []
-        # What a GPU host with flashinfer runs: its backend, graphs and capture sizes.
+        # What the GPU host runs (its backend, kernels, graphs and capture sizes), not this host.
         sized = job.model_copy(update={"model": job.model.model_copy(update=paths)})
-        self.setup = setup or resolve_engine(sized, cuda=True, flashinfer=True)
+        self.setup = setup or resolve_engine(sized, **GPU_HOST)
+        self.notes.append(("sized for a CUDA GPU with the gpu extra (flashinfer, Triton, fla-core), whatever this "
+                           "host has installed: " if setup is None else "sized for: ")
+                          + self.setup.describe().removeprefix("engine: "))
         dtype = DTYPES[job.model.dtype]
         self.dtype_bytes = torch.empty(0, dtype=dtype).element_size()
         with parallel.planned(tp):
@@ -133,7 +146,7 @@ class _Sizer:
                              max_num_batched_tokens=job.engine.max_num_batched_tokens, dtype=dtype, device="meta",
                              attention=_Planned(self.setup.backend), capture_sizes=self.setup.capture_sizes)
         with parallel.planned(tp):
-            torch_kernels = self.setup.device != "cuda" or not _triton.available()
+            torch_kernels = self.setup.kernels == "torch"
             self.widths = {m: activations.widths(m, self.dtype_bytes, torch_kernels)
                            for m in (self.target, self.drafter) if m}
 
@@ -232,8 +245,10 @@ def plan_job(job: Job, job_dir: Path, gpu: int, tp: int | None = None, reserve: 
              setup: EngineSetup | None = None) -> Plan:
     """The job's memory per rank at `tp` ranks (default: the job's), and the largest max_num_seqs
     per bucket that fits a GPU of `gpu` bytes. `setup`: the engine settings to size (default: what
-    a GPU host with flashinfer runs)."""
-    tp = tp or job.model.tensor_parallel_size
+    a CUDA host with the gpu extra runs, GPU_HOST)."""
+    tp = job.model.tensor_parallel_size if tp is None else tp
+    if tp < 1:
+        raise JobError(f"a tensor-parallel size of {tp}: give 1 or more ranks")
     sizer = _Sizer(job, job_dir, tp, setup)
     weights, fixed = sizer.weights(), sizer.fixed(gpu, reserve)
     base = sum(weights.values()) + sum(fixed.values())
@@ -256,28 +271,37 @@ def _largest(fits, limit: int = 1 << 14) -> int:
     return low
 
 
-def smallest_tp(job: Job, job_dir: Path, gpu: int, reserve: int | None = None) -> int | None:
-    """The fewest ranks at which one sequence of every bucket fits (None: not up to 64)."""
-    for tp in TP_SIZES:
+def smallest_tp(job: Job, job_dir: Path, gpu: int, reserve: int | None = None, above: int = 0,
+                as_written: bool = False) -> int | None:
+    """The fewest ranks, more than `above`, at which one sequence of every bucket fits, or with
+    `as_written` each bucket's own max_num_seqs (None: not up to 64)."""
+    for tp in (t for t in TP_SIZES if t > above):
         try:
             sizer = _Sizer(job, job_dir, tp, None)
         except JobError:  # a width that does not split over tp ranks
             continue
         base = sum(sizer.weights().values()) + sum(sizer.fixed(gpu, reserve).values())
-        if all(base + sizer.need(dataclasses.replace(b, max_num_seqs=1)).total <= gpu for b in plan_buckets(job)):
+        buckets = [b if as_written else dataclasses.replace(b, max_num_seqs=1) for b in plan_buckets(job)]
+        if all(base + sizer.need(b).total <= gpu for b in buckets):
             return tp
     return None
 
 
 def check_fits(job: Job, job_dir: Path) -> None:
-    """Refuse a job whose buckets do not fit engine.gpu_memory (when set), with the plan's numbers."""
+    """Refuse a job whose buckets do not fit engine.gpu_memory (when set), with the plan's numbers
+    and what would make it fit: fewer sequences where one of every bucket fits, more ranks where
+    more would."""
     if job.engine.gpu_memory is None:
         return
     gpu = gpu_bytes(job.engine.gpu_memory)
     plan = plan_job(job, job_dir, gpu)
-    if not plan.fits:
-        tp = smallest_tp(job, job_dir, gpu)
-        least = f"the smallest tensor_parallel_size that fits is {tp}" if tp else "no tensor_parallel_size up to 64 fits"
-        raise JobError(f"engine.gpu_memory {job.engine.gpu_memory}: the job does not fit "
-                       f"(lower the buckets' max_num_seqs to 'largest seqs', or use more ranks: {least}):\n"
-                       + plan.table())
+    if plan.fits:
+        return
+    ways = ["lower the buckets' max_num_seqs to 'largest seqs'"] if all(plan.largest) else []
+    if tp := smallest_tp(job, job_dir, gpu, above=plan.tp, as_written=True):
+        ways.append(f"use more ranks: tensor_parallel_size {tp} fits the job as written")
+    elif not ways and (tp := smallest_tp(job, job_dir, gpu, above=plan.tp)):
+        ways.append(f"use more ranks: tensor_parallel_size {tp} fits one sequence a bucket")
+    advice = ", or ".join(ways) or "no tensor_parallel_size up to 64 fits one sequence a bucket"
+    raise JobError(f"engine.gpu_memory {job.engine.gpu_memory}: the job does not fit at TP{plan.tp} ({advice}):\n"
+                   + plan.table())

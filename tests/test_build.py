@@ -1,7 +1,7 @@
 """What a job's engine settings become on a host (dflash_batch.build.resolve_engine): the backend,
-device, CUDA graphs and compilation a host and model pair allow, and every setting that could
-not take effect refused with its reason before any work. Hosts with CUDA and flashinfer are
-simulated: resolve_engine only looks at what they have."""
+device, kernels, CUDA graphs and compilation a host and model pair allow, and every setting that
+could not take effect refused with its reason before any work. Hosts with CUDA, flashinfer and
+Triton are simulated: resolve_engine only looks at what they have."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 from dflash_batch.build import resolve_engine
 from dflash_batch.job import JobError, parse_job
 
-CPU, GPU, GPU_NO_FLASHINFER = dict(cuda=False, flashinfer=False), dict(cuda=True, flashinfer=True), \
-    dict(cuda=True, flashinfer=False)
+CPU, GPU = dict(cuda=False, flashinfer=False, triton=False), dict(cuda=True, flashinfer=True, triton=True)
+GPU_NO_FLASHINFER, GPU_NO_TRITON = dict(GPU, flashinfer=False), dict(GPU, triton=False)
 
 
 @pytest.fixture()
@@ -56,6 +56,7 @@ def job(checkpoints, target="qwen3", drafter="gqa", tp=1, dtype="bfloat16", **en
 def test_defaults_on_a_cpu_host(checkpoints):
     setup = resolve_engine(job(checkpoints), **CPU)
     assert (setup.device, setup.backend, setup.cuda_graphs, setup.compile) == ("cpu", "torch", False, True)
+    assert setup.kernels == resolve_engine(job(checkpoints), **dict(CPU, triton=True)).kernels == "torch"
     for target in ("kimi", "kimi_mxfp4"):  # the torch MoE groups rows by expert on the host
         kimi = resolve_engine(job(checkpoints, target, "mla"), **CPU)
         assert (kimi.backend, kimi.compile) == ("torch", False)
@@ -65,6 +66,7 @@ def test_defaults_on_a_cpu_host(checkpoints):
 def test_defaults_on_a_gpu_host(checkpoints):
     setup = resolve_engine(job(checkpoints), **GPU)
     assert (setup.device, setup.backend, setup.cuda_graphs, setup.compile) == ("cuda", "flashinfer", True, False)
+    assert setup.kernels == "triton" and "kernels=triton" in setup.describe()
     assert setup.capture_sizes == [1, 2, 4, 8, 12]  # powers of two up to the largest max_num_seqs, and it
     assert resolve_engine(job(checkpoints), **GPU_NO_FLASHINFER).backend == "torch"
     kimi = resolve_engine(job(checkpoints, "kimi", "mla"), **GPU)
@@ -72,6 +74,10 @@ def test_defaults_on_a_gpu_host(checkpoints):
     # MXFP4 experts through the Triton MoE: the round reads nothing on the host, so it is captured
     kimi = resolve_engine(job(checkpoints, "kimi_mxfp4", "mla"), **GPU)
     assert (kimi.device, kimi.backend, kimi.cuda_graphs, kimi.capture_sizes) == ("cuda", "torch", True, [1, 2, 4, 8, 12])
+    # ... which a GPU host without Triton does not have: its torch MoE groups them on the host
+    kimi = resolve_engine(job(checkpoints, "kimi_mxfp4", "mla"), **GPU_NO_TRITON)
+    assert (kimi.kernels, kimi.cuda_graphs) == ("torch", False)
+    assert resolve_engine(job(checkpoints), **GPU_NO_TRITON).cuda_graphs  # a Qwen3 round reads nothing either way
     # backend: torch is the CPU reference path, even here
     assert resolve_engine(job(checkpoints, backend="torch"), **GPU).device == "cpu"
 

@@ -110,7 +110,10 @@ class Engine:
         if (kept is None or kept[0] != shape or kept[2].reshaped
                 or any(a is not b for a, b in zip(runtime_tensors(models), kept[1]))):
             self.allocate(bucket)
-        _, _, batch, step, graphs = self.bucket_state
+        # Not the state's list of runtime tensors: those an auto bucket replaces (its verify staging,
+        # by one-row staging) must go when the state does.
+        del kept
+        batch, step, graphs = self.bucket_state[2:]
         caches = slot_caches(models, batch)
         self.ring = batch.ring
         self.ring_caches = [] if self.ring is None else [

@@ -3,12 +3,15 @@
 A forward keeps a few hidden-width streams for its whole length (the residual, Kimi-K3's AttnRes
 block snapshots, the drafter's taps) while one layer at a time holds its widest intermediates
 (projections, the MLP's or the routed experts' hidden rows, the router's scores), and ends in
-the logits of the rows it scores. The bound is the sum: streams + widest layer + logits, per
-token of the forward, at this rank's share of every sharded width (parallel.world_size()).
-Widths are those the GPU path allocates (the Triton MoE keeps T * top_k rows of each expert
-width; flashinfer's attention works in its own workspace); the torch attention's blocked scores
-and gathered keys are added where that backend runs. tests/test_sizing.py checks the bound
-against the CPU allocator's peak of real forwards and rounds of the tiny models.
+the logits of the rows it scores (checked for finiteness). The bound is the sum: streams +
+widest layer + logits, per token of the forward, at this rank's share of every sharded width
+(parallel.world_size()). Widths are those the GPU path allocates (the Triton MoE keeps T * top_k
+rows of each expert width; Triton's AttnRes and fla's KDA hold no float32 copies of their
+inputs; flashinfer's attention works in its own workspace), or with `torch_kernels` the torch
+references'; the torch attention's blocked scores and gathered keys are added where that
+backend runs. tests/test_sizing.py checks the bound against the CPU allocator's peak of real
+runs and rounds of the tiny models, and the MoE's term against a MoE layer's forward on the GPU
+path.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ def widths(model: nn.Module, dtype_bytes: int, torch_kernels: bool) -> Widths:
     if "linear_attn_config" in config:
         return _kimi(config, tp, b, torch_kernels)
     heads, kv = config["num_attention_heads"] // tp, max(1, config.get("num_key_value_heads", 1) // tp)
-    mlp = 3 * config["intermediate_size"] // tp * b + 2 * config["intermediate_size"] // tp * WIDE
+    mlp = _mlp(config["intermediate_size"] // tp, b)
     if "kv_lora_rank" in config:  # a DFlash2-MLA drafter
         attn = _mla(config, heads, b)
         key = (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * b
@@ -57,6 +60,11 @@ def widths(model: nn.Module, dtype_bytes: int, torch_kernels: bool) -> Widths:
     taps = len(getattr(model, "target_layer_ids", None) or getattr(model, "tap_ids", None) or [])
     stream = 4 * hidden * b + 2 * taps * hidden * b  # residual, normed, sublayer out, sum; taps and their concat
     return Widths(stream, max(attn, mlp) + hidden * WIDE, config["vocab_size"] // tp, heads, key)
+
+
+def _mlp(width: int, b: int) -> int:
+    """A gated MLP of `width` hidden units a rank: gate and up, the activation in float32, its output."""
+    return 3 * width * b + 2 * width * WIDE
 
 
 def _mla(config: dict, heads: int, b: int) -> int:
@@ -73,10 +81,15 @@ def _kimi(config: dict, tp: int, b: int, torch_kernels: bool) -> Widths:
     attn = max(_mla(config, config["num_attention_heads"] // tp, b),
                3 * kda * (3 * b + 2 * WIDE) + 4 * kda * WIDE)
     latent, top_k = config["routed_expert_hidden_size"], config["num_experts_per_token"]
-    moe = (3 * config["num_experts"] * WIDE + latent * (3 * b + WIDE)
-           + top_k * (config["moe_intermediate_size"] // tp + latent) * b
-           + 3 * config.get("num_shared_experts", 0) * config["moe_intermediate_size"] // tp * b)
-    dense = 3 * config["intermediate_size"] // tp * b + 2 * config["intermediate_size"] // tp * WIDE
+    # The routed experts: the router's scores; each (token, slot)'s expert id, weight and place in
+    # the expert-sorted order with the tile table over it (int64); the latent rows; and the Triton
+    # MoE's rows, SiTU(W1 x, W3 x) and W2 of it, for every (token, slot).
+    routed = (3 * config["num_experts"] * WIDE + top_k * (3 * 8 + WIDE) + latent * (3 * b + WIDE)
+              + top_k * (config["moe_intermediate_size"] // tp + latent) * b)
+    # Then the shared experts, beside the routed sum's output.
+    shared = hidden * b + _mlp(config.get("num_shared_experts", 0) * config["moe_intermediate_size"] // tp, b)
+    moe = max(routed, shared)
+    dense = _mlp(config["intermediate_size"] // tp, b)
     # AttnRes: the torch reference stacks the snapshots and widens them; the Triton kernel reads them.
     mix = 2 * (blocks + 1) * hidden * WIDE if torch_kernels else 0
     # The torch chunked delta rule holds a few [heads, chunk, chunk, d] float32 products at once.
@@ -91,8 +104,9 @@ def forward_bytes(w: Widths, tokens: int, logit_rows: int, gathered: bool, seque
                   torch_attention: bool = False) -> int:
     """A forward of `tokens` tokens of `sequences` sequences with up to `keys` keys each, scoring
     `logit_rows` rows (`gathered`: whole rows on every rank, else this rank's slice)."""
-    logits = logit_rows * w.vocab * (2 * WIDE) + (logit_rows * w.vocab * parallel.world_size() * 2 * WIDE
-                                                    if gathered and parallel.world_size() > 1 else 0)
+    # The rows' logits and, while their finiteness is checked, |logits| and three bool masks.
+    logits = logit_rows * w.vocab * (2 * WIDE + 3) + (logit_rows * w.vocab * parallel.world_size() * 2 * WIDE
+                                                        if gathered and parallel.world_size() > 1 else 0)
     # The torch attention scores blocks of keys (at most SCORES_LIMIT scores at once) from a gather.
     scores = min(SCORES_LIMIT, tokens * w.heads * keys)
     attention = 3 * WIDE * scores + 2 * sequences * keys * w.key if torch_attention else 0
