@@ -15,7 +15,7 @@ import orjson
 
 from dflash_batch.io.outputs import output_json_schema
 from dflash_batch.job import Job, JobError, job_json_schema, load_job
-from dflash_batch.plan.shards import Shard, parse_shard, resolve_shard
+from dflash_batch.plan.shards import COUNT_VAR, K8S_INDEX, SLURM_VARS, Shard, parse_shard, resolve_shard
 
 if TYPE_CHECKING:
     from dflash_batch.runner import EngineFactory
@@ -162,7 +162,10 @@ def _tp_rank(rank: int, world: int, port: int, job: Job, shard: Shard, progress:
 
 @main.command()
 @click.argument("job_file", type=click.Path(dir_okay=False))
-@click.option("--shard", "shard_text", help="INDEX/COUNT; default: Slurm array variables, else 0/1.")
+@click.option("--shard", "shard_text", help="INDEX/COUNT. Without it, in this order (plan/shards.py): the "
+              f"job's sharding section (mode explicit or none); Slurm's array variables ({', '.join(SLURM_VARS)}); "
+              f"a Kubernetes indexed Job's {K8S_INDEX} (its count from sharding.count, else {COUNT_VAR}); "
+              "else 0/1.")
 @click.option("--output-dir", help="Override output.dir.")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
 @click.option("--eager", is_flag=True, help="Run the decode round eagerly: no CUDA graphs, no torch.compile "

@@ -9,7 +9,9 @@ import subprocess
 import sys
 
 import pytest
+from click.testing import CliRunner
 
+from dflash_batch.cli import main
 from dflash_batch.plan.shards import Shard
 from dflash_batch.runner import run_job
 from tests.fake_engine import fake_factory
@@ -106,3 +108,19 @@ def test_ranks_started_for_another_tensor_parallel_size_are_refused(tmp_path, mo
         assert p.returncode == 2, err[-2000:]
         assert err.splitlines() == [f"error: started with 2 ranks but model.tensor_parallel_size is {tp}"], err
     assert not (tmp_path / "out").exists()
+
+
+def test_run_help_names_the_shard_sources_in_the_order_they_are_taken():
+    """The order resolve_shard takes them in: --shard, the job's sharding section, Slurm's array
+    variables, a Kubernetes indexed Job's index, else 0/1 (each source beats the next one)."""
+    from dflash_batch.job import ShardingSpec
+    from dflash_batch.plan.shards import resolve_shard
+    text = " ".join(CliRunner().invoke(main, ["run", "--help"]).output.split())
+    places = [text.index(s) for s in ("--shard", "sharding section", "SLURM_ARRAY_TASK_ID", "JOB_COMPLETION_INDEX",
+                                      "else 0/1")]
+    assert places == sorted(places)
+    both = {"SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_COUNT": "3", "SLURM_ARRAY_TASK_MIN": "0",
+            "JOB_COMPLETION_INDEX": "2", "DFLASH_SHARDS": "4"}
+    assert resolve_shard(ShardingSpec(), both) == Shard(1, 3)
+    assert resolve_shard(ShardingSpec(), {k: v for k, v in both.items() if "SLURM" not in k}) == Shard(2, 4)
+    assert resolve_shard(ShardingSpec(mode="explicit", index=0, count=5), both) == Shard(0, 5)
