@@ -1,0 +1,36 @@
+"""Installing the package into an environment that has its own torch keeps that torch: the GPU
+image's CUDA torch 2.11 (stood in for by its metadata: pip decides from it alone) is not
+replaced, as a pin to another release would replace it. Needs the package registry (CI has it)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_pip_install_beside_a_cuda_torch_2_11_would_not_touch_it(tmp_path):
+    venv.create(tmp_path / "env", with_pip=True)
+    python = tmp_path / "env" / "bin" / "python"
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    info = Path(site) / "torch-2.11.0+cu128.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.11.0+cu128\n")
+    (info / "RECORD").write_text("")
+    (info / "INSTALLER").write_text("pip\n")
+    report = tmp_path / "report.json"
+    out = subprocess.run([python, "-m", "pip", "install", "-q", "--dry-run", "--report", str(report), str(ROOT)],
+                         capture_output=True, text=True, timeout=900)
+    if out.returncode and "Could not find a version" in out.stderr + out.stdout:
+        pytest.skip(f"no package registry here: {out.stderr[-300:]}")
+    assert out.returncode == 0, out.stderr[-2000:]
+    installs = {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
+    assert "dflash-batch" in installs and "torch" not in installs, installs
