@@ -1,11 +1,12 @@
 """dflash-batch as a stage of a Ray Data pipeline (`pip install 'dflash-batch[ray]'`):
 
     import ray
+    import dflash_batch.ray
     from dflash_batch.ray import DFlashStage
 
     out = ray.data.read_parquet("prompts/").map_batches(
         DFlashStage, fn_constructor_kwargs={"job": "jobs/x.yaml", "output_dir": "out/x"},
-        batch_size=256, batch_format="pyarrow", concurrency=4, num_gpus=1)
+        batch_size=256, batch_format="pyarrow", **dflash_batch.ray.resources())
 
 Each actor of the pool builds one engine and takes batches of input rows (the columns the job's
 input section names); it returns the output columns `dflash-batch run` writes, one row per
@@ -18,8 +19,9 @@ an actor that died after committing and before returning (Ray then retries the b
 new actor), is read back instead of generated again, and a commit leaves out any row another
 writer committed meanwhile: each (row_id, sample_index) is written once. Row ids come from
 input.id_column, which such a stage needs (a row's position in a Ray batch does not survive a
-restart). Without an output directory rows only flow on. Once every batch came back,
-`finish(output_dir)` marks the output finished for status, export and retry.
+restart). Without an output directory rows only flow on. `resources()` gives map_batches the
+actors the cluster can hold; once every batch came back, `finish(output_dir)` marks the output
+finished for status, export and retry.
 """
 
 from __future__ import annotations
@@ -151,6 +153,21 @@ class DFlashStage:
         wanted = pa.array(sorted(ids), pa.string())
         tables = [pq.read_table(p) for p in parts]
         return [t.filter(pc.is_in(t["row_id"], value_set=wanted)) for t in tables]
+
+
+def resources(threads: int = 1) -> dict:
+    """map_batches' actor count and each actor's resources, for the cluster Ray is connected to
+    (started here if it is not): an actor a GPU on a cluster with GPUs; else `threads` CPUs an
+    actor and as many actors as leave a CPU free. Actors holding every CPU would leave none to
+    the tasks that read the input, and the pipeline would wait forever."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init()
+    cluster = ray.cluster_resources()
+    if gpus := int(cluster.get("GPU", 0)):
+        return {"num_gpus": 1, "concurrency": gpus}
+    return {"num_cpus": threads, "concurrency": max(1, (int(cluster.get("CPU", 1)) - 1) // threads)}
 
 
 def finish(output_dir: str | Path) -> None:

@@ -149,8 +149,8 @@ def test_production_job_files_validate():
     assert job.model.tensor_parallel_size == 8 and job.resolved_buckets()[-1].max_tokens == 131072
 
 
-def test_the_readme_job_example_is_a_valid_job():
-    text = (SCHEMA_DIR.parent / "README.md").read_text()
+def test_the_manuals_job_example_is_a_valid_job():
+    text = (SCHEMA_DIR.parent / "docs" / "job-file.md").read_text()
     example = text.split("```yaml")[1].split("```")[0]
-    job = parse_job(yaml.safe_load(example), "README.md", SCHEMA_DIR.parent)
+    job = parse_job(yaml.safe_load(example), "docs/job-file.md", SCHEMA_DIR.parent)
     assert job.output.split_reasoning and job.input.sampling_columns["n"] == "samples"

@@ -12,6 +12,7 @@ batch, before returning it, is replaced and the batch retried: every row still o
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import orjson
 import pyarrow as pa
+import pyarrow.parquet  # noqa: F401 - pa.parquet
 import pytest
 from click.testing import CliRunner
 
@@ -223,3 +225,31 @@ def test_an_actor_killed_after_committing_is_replaced_and_every_row_is_once(tmp_
     assert set(_keys(out)) == set(_keys(committed)) == {(r["id"], 0) for r in rows}
     assert max(_keys(out).values()) == 1 and max(_keys(committed).values()) == 1
     assert _by_key(out) == _by_key(committed)
+
+
+@pytest.mark.slow
+def test_the_manuals_example_runs_as_written_on_a_cpu_only_host(tmp_path):
+    """docs/pipelines.md's Ray example, its text unchanged, in a process of its own where Ray
+    starts its own cluster on this host's CPUs (2 here): with the actors resources() asks for,
+    the read tasks keep a CPU and every row comes back (asking for a GPU, or an actor a CPU,
+    it would wait forever: the timeout would fail the test)."""
+    text = (ROOT / "docs" / "pipelines.md").read_text()
+    lines = text.split("\n")
+    start = lines.index("      import ray")
+    end = next(i for i in range(start, len(lines)) if lines[i].strip() and not lines[i].startswith("      "))
+    example = "\n".join(line[6:] for line in lines[start:end])
+    assert "resources()" in example and "num_gpus" not in example
+    rows = _prompts(6)
+    (tmp_path / "prompts").mkdir()
+    pa.parquet.write_table(pa.Table.from_pylist(rows), tmp_path / "prompts" / "part-0.parquet")
+    job = load_job(DEMO).model_dump(mode="json")  # its paths made absolute by load_job
+    (tmp_path / "jobs").mkdir()
+    (tmp_path / "jobs" / "x.yaml").write_text(orjson.dumps(job).decode())
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path]), "RAY_DEDUP_LOGS": "0"}
+    out = subprocess.run([sys.executable, "-c", example], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    written = pa.parquet.read_table(tmp_path / "downstream").to_pylist()
+    assert _keys(written) == _keys([{"row_id": r["id"], "sample_index": 0} for r in rows])
+    status = CliRunner().invoke(main, ["status", str(tmp_path / "out" / "x")]).output
+    assert "1 complete" in status
