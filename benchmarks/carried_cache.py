@@ -21,6 +21,7 @@ from triton.runtime.cache import FileCacheManager
 
 CACHE_DIR = "/tmp/dflash_triton_cache"
 MISSES_ENV, STRICT_ENV = "DFLASH_TRITON_MISSES", "DFLASH_TRITON_STRICT"
+LAUNCHERS = ("__triton_launcher", "cuda_utils")  # C modules Triton builds with gcc, in its cache
 ROOT = Path(__file__).resolve().parents[1]
 MANIFEST = ROOT / "benchmarks" / "triton_cache.json"
 NOT_KERNEL_CODE = {"tests", "benchmarks", "recipes", "build", "docs"}
@@ -41,7 +42,8 @@ def not_carried(what: str, key: str) -> None:
 
 
 class CarriedCache(FileCacheManager):
-    """compile() asks get_group for `{kernel}.json`; a launcher build asks get_file for its module."""
+    """compile() asks get_group for `{kernel}.json`; a launcher build asks get_file for its module,
+    and puts it when there was none or the one there did not load."""
 
     def get_group(self, filename: str) -> dict[str, str] | None:
         group = super().get_group(filename)
@@ -51,9 +53,15 @@ class CarriedCache(FileCacheManager):
 
     def get_file(self, filename: str) -> str | None:
         path = super().get_file(filename)
-        if path is None and filename.startswith(("__triton_launcher", "cuda_utils")):
+        if path is None and filename.startswith(LAUNCHERS):
             not_carried(f"launcher {filename}", self.key)
         return path
+
+    def put(self, data, filename: str, binary: bool = True) -> str:
+        # Triton builds a launcher again when the carried one does not load (and only logs it).
+        if filename.startswith(LAUNCHERS) and self.has_file(filename):
+            not_carried(f"loadable launcher {filename}", self.key)
+        return super().put(data, filename, binary)
 
 
 def kernel_sources() -> dict[str, str]:

@@ -102,9 +102,9 @@ row "pytest --collect-only -m gpu" $r "$(tail -n 1 "$OUT/collect.txt")"
 # that is not there is refused and named).
 "$PY" benchmarks/triton_cache.py check > "$OUT/triton_check.txt" 2>&1
 r=$?
-grep '^| ' "$OUT/triton_check.txt" | tail -n +3 | while IFS='|' read -r _ stage found missing _; do
+grep '^| ' "$OUT/triton_check.txt" | tail -n +2 | while IFS='|' read -r _ stage found missing _; do
   printf '| %-34s | %-6s | %s |\n' "Triton cache: stage${stage% }" "$([[ ${missing// /} == 0 ]] && echo ok || echo FAIL)" \
-    "$((found)) kernels from the cache, compiling forbidden; missing: ${missing# }" >> "$OUT/summary.md"
+    "$((found)) kernels from the cache, compiling forbidden; missing: $(xargs <<< "$missing")" >> "$OUT/summary.md"
 done
 row "Triton cache: launchers, Triton" "$([[ $r == 0 ]] && echo ok || echo FAIL)" "$(grep '^C modules' "$OUT/triton_check.txt")$(grep -h '^Triton differs' "$OUT/triton_check.txt" | tr '\n' ' ')"
 

@@ -41,6 +41,7 @@ import hashlib
 import inspect
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -340,16 +341,23 @@ def module_path(name: str, source: str) -> Path:
     return Path(CACHE_DIR, _base32(key), name.split(":")[0] + sysconfig.get_config_var("EXT_SUFFIX"))
 
 
+def cuda_stub(sources: list[str], work: Path) -> Path:
+    """A directory holding a libcuda.so.1 that defines every cu* function the sources name: linked
+    against it, a module records libcuda.so.1 as needed (against an empty one the linker drops it,
+    and the module would not load on the device); the device's driver provides the real one."""
+    names = sorted(set(re.findall(r"\bcu[A-Z]\w*", "".join(sources))))
+    (work / "stub.c").write_text("".join(f"int {name}(void) {{ return 0; }}\n" for name in names))
+    subprocess.run(["cc", "-shared", "-fPIC", str(work / "stub.c"), "-Wl,-soname,libcuda.so.1", "-o",
+                    str(work / "libcuda.so.1")], check=True)
+    return work
+
+
 def build_modules(sources: dict[str, str], work: Path) -> float:
-    """Each module compiled into the cache (gcc, Python 3.12's headers), linked against a stub
-    libcuda.so.1: the device's driver provides the real one when Triton loads it."""
+    """Each module compiled into the cache (gcc, Python 3.12's headers) against cuda_stub."""
     from triton.backends.nvidia import driver
     from triton.runtime.build import compile_module_from_src
 
-    stub = work / "libcuda"
-    stub.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["cc", "-shared", "-x", "c", "/dev/null", "-Wl,-soname,libcuda.so.1", "-o",
-                    str(stub / "libcuda.so.1")], check=True)
+    stub = cuda_stub(list(sources.values()), work)
     os.environ["TRITON_LIBCUDA_PATH"] = str(stub)
     t0 = time.perf_counter()
     for name, source in sources.items():
@@ -357,6 +365,31 @@ def build_modules(sources: dict[str, str], work: Path) -> float:
             compile_module_from_src(src=source, name=name.split(":")[0], library_dirs=[driver.libdevice_dir, str(stub)],
                                     include_dirs=driver.include_dirs, libraries=driver.libraries)
     return time.perf_counter() - t0
+
+
+LOAD = """
+import importlib.util, sys
+failed = []
+for path in sys.argv[1:]:
+    name = path.rsplit("/", 1)[1].split(".")[0]
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    except Exception as e:
+        failed.append(f"{path}: {e}")
+print("\\n".join(failed))
+"""
+
+
+def unloadable(sources: dict[str, str], work: Path) -> list[str]:
+    """The carried C modules that do not load into this Python (the device's: 3.12) beside a
+    libcuda.so.1 defining their cu* functions (cuda_stub), as the device's driver does: a module
+    that does not name libcuda.so.1 as needed, a wrong Python ABI or a missing symbol shows here."""
+    paths = [str(module_path(n, s)) for n, s in sources.items() if module_path(n, s).exists()]
+    stub = cuda_stub(list(sources.values()), work)
+    done = subprocess.run([sys.executable, "-c", LOAD, *paths], capture_output=True, text=True,
+                          env={**os.environ, "LD_LIBRARY_PATH": str(stub)})
+    return [line for line in (done.stdout + done.stderr).splitlines() if line]
 
 
 # -- build and check ------------------------------------------------------------------------------
@@ -437,15 +470,18 @@ def check(stages: list[str]) -> int:
     run_workloads(compiled, stages)
     launchers = module_sources(list(compiled.binaries.values()))
     lacking = sorted({n.split(":")[0] for n, s in launchers.items() if not module_path(n, s).exists()})
+    with tempfile.TemporaryDirectory() as tmp:
+        failing = unloadable(launchers, Path(tmp))
     print(f"| stage | kernels from the cache | missing |\n|---|---|---|")
     for stage in stages:
         missing = sorted(compiled.missing.get(stage, ()))
         print(f"| {stage} | {len(compiled.kernels.get(stage, {}))} | {len(missing)} {' '.join(missing)} |")
-    print(f"C modules: {len(launchers) - len(lacking)} of {len(launchers)} carried" +
-          (f"; missing {lacking}" if lacking else ""))
+    print(f"C modules: {len(launchers) - len(lacking)} of {len(launchers)} carried, "
+          f"{len(launchers) - len(lacking) - len(failing)} load into Python {sys.version.split()[0]} against a stub "
+          "libcuda.so.1" + (f"; missing {lacking}" if lacking else "") + "".join(f"\n  not loaded: {f}" for f in failing))
     for line in differs:
         print(f"Triton differs from the build's: {line}")
-    return 1 if differs or lacking or any(compiled.missing.values()) else 0
+    return 1 if differs or lacking or failing or any(compiled.missing.values()) else 0
 
 
 def main() -> None:

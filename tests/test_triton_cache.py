@@ -47,9 +47,10 @@ def test_the_cache_is_for_the_carried_fla_and_the_devices_triton():
 
 
 def test_a_kernel_missing_from_the_carried_cache_is_named(tmp_path, monkeypatch, capsys):
-    """The device's cache manager: a kernel or launcher Triton looks for and does not find is one
-    line on stderr and in $DFLASH_TRITON_MISSES (then compiled); with $DFLASH_TRITON_STRICT=1,
-    refused. One that is there is not named."""
+    """The device's cache manager: a kernel or launcher Triton looks for and does not find, or a
+    launcher it builds again because the carried one did not load, is one line on stderr and in
+    $DFLASH_TRITON_MISSES (then compiled); with $DFLASH_TRITON_STRICT=1, refused. One that is there
+    is not named."""
     from benchmarks.carried_cache import CarriedCache, NotCarried
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
@@ -63,6 +64,9 @@ def test_a_kernel_missing_from_the_carried_cache_is_named(tmp_path, monkeypatch,
     assert [line.split(" is not")[0] for line in lines] == [
         "triton cache: kernel _sample_kernel", "triton cache: launcher __triton_launcher.cpython-312-x86_64-linux-gnu.so"]
     assert capsys.readouterr().err.count("not carried") == 2
+    cache.put(b"built", "cuda_utils.so")  # a launcher built where there was none: named above, not here
+    cache.put(b"built again", "cuda_utils.so")  # the carried one did not load
+    assert (tmp_path / "misses.txt").read_text().splitlines()[2].startswith("triton cache: loadable launcher cuda_utils")
     monkeypatch.setenv("DFLASH_TRITON_STRICT", "1")
     with pytest.raises(NotCarried, match="_scatter_kernel"):
         cache.get_group("_scatter_kernel.json")
