@@ -16,7 +16,7 @@
 #   - the plan: one first list within 420 s.
 # Fills .whl/ (benchmarks/prepare_wheels.sh), .flashinfer_aot/ (benchmarks/prebuild_flashinfer.py
 # build: about 25 minutes of nvcc on 2 cores) and .triton_cache/ (benchmarks/triton_cache.py build:
-# about 15 minutes on 2 cores) where they are absent; all three are kept for the device call.
+# 1 to 20 minutes on 2 cores, as loaded) where they are absent; all three are kept for the device call.
 #   bash benchmarks/device_twin.sh [TWIN_DIR]     (default /tmp/dflash_twin; the venv is kept there)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -50,7 +50,7 @@ if [[ ! -f .flashinfer_aot/manifest.json ]]; then  # built once (kept, git-ignor
   PATH=$TWIN/venv/bin:$PATH PYTHONPATH=$TWIN/build_site "$PY" benchmarks/prebuild_flashinfer.py build || exit 1
 fi
 if [[ ! -d .triton_cache ]]; then  # built once (kept, git-ignored): this venv's Triton, the carried fla
-  echo "building the Triton cache into .triton_cache/ (about 15 minutes on 2 cores)"
+  echo "building the Triton cache into .triton_cache/ (1 to 20 minutes on 2 cores, as loaded)"
   rm -rf "$TWIN/build_site"
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$TWIN/build_site" .whl/*.whl
   PYTHONPATH=$TWIN/build_site "$PY" benchmarks/triton_cache.py build || exit 1
