@@ -4,15 +4,19 @@
 # the CUDA wheels are 4 GB).
 #   - a throwaway Python 3.12 venv with CUDA torch 2.11 and Triton 3.6 from the package registry,
 #     and the image's other packages that the check imports (never flashinfer, fla or dflash);
-#   - the carried tree measured against the device call's 64 MiB (tracked files, .whl/, .flashinfer_aot/);
+#   - the carried tree measured against the device call's 64 MiB (tracked files, .whl/, .flashinfer_aot/,
+#     .triton_cache/);
 #   - gpu_check.sh's install and preflight stages as the device runs them (--no-index, --target),
 #     the venv's own packages compared before and after (the install must not touch them);
 #   - every module of dflash_batch and kernels imported, with flashinfer, fla and tvm_ffi;
 #   - `pytest --collect-only -m gpu tests/test_gpu.py`;
 #   - the prebuilt flashinfer modules loaded with JIT disabled (the preflight's second half);
-#   - both part lists' stage plans, each within one 540 s command.
-# Fills .whl/ (benchmarks/prepare_wheels.sh) and .flashinfer_aot/ (benchmarks/prebuild_flashinfer.py
-# build: about 25 minutes of nvcc on 2 cores) where they are absent; both are kept for the device call.
+#   - each stage's Triton kernels (benchmarks/triton_cache.py check) from the carried cache, with
+#     compiling forbidden: every kernel and launcher there, none missing;
+#   - the plan: one first list within 420 s.
+# Fills .whl/ (benchmarks/prepare_wheels.sh), .flashinfer_aot/ (benchmarks/prebuild_flashinfer.py
+# build: about 25 minutes of nvcc on 2 cores) and .triton_cache/ (benchmarks/triton_cache.py build:
+# 1 to 20 minutes on 2 cores, as loaded) where they are absent; all three are kept for the device call.
 #   bash benchmarks/device_twin.sh [TWIN_DIR]     (default /tmp/dflash_twin; the venv is kept there)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,7 +36,7 @@ PY=$TWIN/venv/bin/python3
 if [[ ! -x $PY ]]; then
   t0=$SECONDS
   "$py312" -m venv "$TWIN/venv" || exit 1
-  "$PY" -m pip install -q torch==2.11.0 triton==3.6.0 numpy pytest pytest-timeout hypothesis click einops ninja \
+  "$PY" -m pip install -q torch==2.11.0 triton==3.6.0 numpy scipy pytest pytest-timeout hypothesis click einops ninja \
     nvidia-ml-py packaging requests tabulate tqdm safetensors pyarrow pyyaml tokenizers tiktoken jinja2 matplotlib \
     typing-extensions filelock 2> >(grep -v "is ignored: it is neither" >&2) || exit 1
   echo "venv built in $((SECONDS - t0)) s"
@@ -45,9 +49,15 @@ if [[ ! -f .flashinfer_aot/manifest.json ]]; then  # built once (kept, git-ignor
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$TWIN/build_site" .whl/*.whl
   PATH=$TWIN/venv/bin:$PATH PYTHONPATH=$TWIN/build_site "$PY" benchmarks/prebuild_flashinfer.py build || exit 1
 fi
-carried=$({ git ls-files -z | du -cb --files0-from=- | tail -n 1; du -cb .whl .flashinfer_aot | tail -n 1; } | awk '{s += $1} END {printf "%.1f", s / 2^20}')
+if [[ ! -d .triton_cache ]]; then  # built once (kept, git-ignored): this venv's Triton, the carried fla
+  echo "building the Triton cache into .triton_cache/ (1 to 20 minutes on 2 cores, as loaded)"
+  rm -rf "$TWIN/build_site"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$TWIN/build_site" .whl/*.whl
+  PYTHONPATH=$TWIN/build_site "$PY" benchmarks/triton_cache.py build || exit 1
+fi
+carried=$({ git ls-files -z | du -cb --files0-from=- | tail -n 1; du -cb .whl .flashinfer_aot .triton_cache | tail -n 1; } | awk '{s += $1} END {printf "%.1f", s / 2^20}')
 awk -v c="$carried" 'BEGIN {exit !(c <= 64)}' && r=ok || r=FAIL
-row "carried (tree + .whl + prebuilt)" $r "$carried MiB of 64 ($(ls .whl | wc -l) wheels, $(ls -d .flashinfer_aot/*/ | wc -l) prebuilt modules)"
+row "carried (tree + .whl + prebuilt)" $r "$carried MiB of 64 ($(ls .whl | wc -l) wheels $(du -sm .whl | cut -f1) MiB, $(ls -d .flashinfer_aot/*/ | wc -l) flashinfer modules $(du -sm .flashinfer_aot | cut -f1) MiB, Triton cache $(du -sm .triton_cache | cut -f1) MiB)"
 
 "$PY" -m pip freeze > "$OUT/before.txt"
 PATH=$TWIN/venv/bin:$PATH SITE=$TWIN/site ONLY="install preflight" PREFLIGHT_ARGS=--no-gpu \
@@ -88,13 +98,21 @@ row "imports" $r "$(head -n 1 "$OUT/imports.txt")"
 r=$([[ $? == 0 ]] && echo ok || echo FAIL)
 row "pytest --collect-only -m gpu" $r "$(tail -n 1 "$OUT/collect.txt")"
 
-for parts in "core kimi" "qwen kimi_torch tp2"; do
-  bash benchmarks/gpu_check.sh --plan "$OUT" $parts > "$OUT/plan.txt" 2>&1
-  r=$([[ $? == 0 ]] && echo ok || echo FAIL)
-  row "plan: $parts" $r "$(grep '^== total' "$OUT/plan.txt" | sed 's/== //') s, $(grep -cvE '^(==|stage|&)' "$OUT/plan.txt") stages"
+# Every stage's Triton kernels against the carried cache, compiling forbidden (a kernel or launcher
+# that is not there is refused and named).
+"$PY" benchmarks/triton_cache.py check > "$OUT/triton_check.txt" 2>&1
+r=$?
+grep '^| ' "$OUT/triton_check.txt" | tail -n +2 | while IFS='|' read -r _ stage found missing _; do
+  printf '| %-34s | %-6s | %s |\n' "Triton cache: stage${stage% }" "$([[ ${missing// /} == 0 ]] && echo ok || echo FAIL)" \
+    "$((found)) kernels from the cache, compiling forbidden; missing: $(xargs <<< "$missing")" >> "$OUT/summary.md"
 done
+row "Triton cache: launchers, Triton" "$([[ $r == 0 ]] && echo ok || echo FAIL)" "$(grep '^C modules' "$OUT/triton_check.txt")$(grep -h '^Triton differs' "$OUT/triton_check.txt" | tr '\n' ' ')"
 
-bash benchmarks/gpu_check.sh --plan
+PATH=$TWIN/venv/bin:$PATH bash benchmarks/gpu_check.sh --plan "$OUT" > "$OUT/plan.txt" 2>&1
+r=$([[ $? == 0 ]] && echo ok || echo FAIL)
+row "plan: the first list" $r "$(grep '^== first list' "$OUT/plan.txt" | sed 's/== first list: //'), $(grep -c '(first)' "$OUT/plan.txt") pytest stages (tests/test_gpu_check_plan.py: they select every test of tests/test_gpu.py)"
+
+cat "$OUT/plan.txt"
 echo
 cat "$OUT/summary.md"
 exit $fail

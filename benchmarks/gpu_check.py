@@ -32,6 +32,12 @@ from kernels.sample import sample_torch, sample_triton  # noqa: E402
 from kernels.scatter import scatter_torch, scatter_triton  # noqa: E402
 
 SHAPE = dict(vocab=1000, hidden=256, heads=4, kv_heads=2, head_dim=64, inter=512)
+DEVICE = "cuda"  # benchmarks/triton_cache.py runs these functions on the CPU to compile their kernels
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        sync()
 
 
 def kernel_errors() -> dict[str, float]:
@@ -42,33 +48,41 @@ def kernel_errors() -> dict[str, float]:
     logits[torch.rand(n, V, generator=g) < 0.5] = float("-inf")
     logits[:, 0] = 0.0
     seed, pos = torch.randint(0, 2**62, (n,), generator=g), torch.randint(0, 1 << 17, (n,), generator=g)
-    out = {"sample (mismatched rows)": int((sample_triton(logits.cuda(), seed.cuda(), pos.cuda()).cpu()
+    out = {"sample (mismatched rows)": int((sample_triton(logits.to(DEVICE), seed.to(DEVICE), pos.to(DEVICE)).cpu()
                                             != sample_torch(logits, seed, pos)).sum())}
     ids, chosen = torch.randint(0, 9, (n, B), generator=g), torch.randint(0, 9, (n, B), generator=g)
     budget, stops = torch.randint(0, 12, (n,), generator=g), torch.randint(-1, 9, (n, 3), generator=g)
     ref = [ids.clone(), pos.clone(), budget.clone()]
     want = torch.zeros(n, B + 2, dtype=torch.int64)
     accept_torch(ref[0], chosen, ref[1], ref[2], stops, want)
-    dev = [t.clone().cuda() for t in (ids, pos, budget)]
-    got = torch.zeros(n, B + 2, dtype=torch.int64, device="cuda")
-    accept_triton(dev[0], chosen.cuda(), dev[1], dev[2], stops.cuda(), got)
+    dev = [t.clone().to(DEVICE) for t in (ids, pos, budget)]
+    got = torch.zeros(n, B + 2, dtype=torch.int64, device=DEVICE)
+    accept_triton(dev[0], chosen.to(DEVICE), dev[1], dev[2], stops.to(DEVICE), got)
     out["accept (mismatched values)"] = int((got.cpu() != want).sum()) + sum(
         int((a.cpu() != b).sum()) for a, b in zip(dev, ref))
     tables = torch.randperm(n * 40, generator=g).view(n, 40)
     tables[::5] = -1
     p = torch.randint(0, 600, (n,), generator=g)
     ref = prepare_torch(ids, p, budget, tables, 16, 7)
-    got = prepare_triton(ids.cuda(), p.cuda(), budget.cuda(), tables.cuda(), 16, 7)
+    got = prepare_triton(ids.to(DEVICE), p.to(DEVICE), budget.to(DEVICE), tables.to(DEVICE), 16, 7)
     out["prepare (mismatched values)"] = sum(int((a.cpu() != b).sum()) for a, b in zip(got, ref))
     cache, slots = torch.randn(4096, 2, 64, generator=g), torch.randperm(4096, generator=g)[:n]
     slots[::3] = -1
     values = torch.randn(n, 2, 64, generator=g)
     want = cache.clone()
     scatter_torch(want, slots, values)
-    got = cache.cuda()
-    scatter_triton(got, slots.cuda(), values.cuda())
+    got = cache.to(DEVICE)
+    scatter_triton(got, slots.to(DEVICE), values.to(DEVICE))
     out["scatter (max abs error)"] = float((got.cpu() - want).abs().max())
     return out
+
+
+def load_models(d: Path) -> tuple:
+    """The tiny Qwen3 pair in bfloat16 on DEVICE (random head: a round's cost, not its acceptance)."""
+    target = load_model(checkpoints.qwen3_checkpoint(d / "t", layers=4, peaked=False, **SHAPE), torch.bfloat16, DEVICE)
+    drafter = load_model(checkpoints.dflash_checkpoint(d / "d", layers=1, **SHAPE), torch.bfloat16, DEVICE)
+    attach_drafter(target, drafter)
+    return target, drafter
 
 
 def engine(models, backend: str, graphs: bool, sizes: list[int]) -> Engine:
@@ -76,9 +90,9 @@ def engine(models, backend: str, graphs: bool, sizes: list[int]) -> Engine:
     if backend == "flashinfer":
         from dflash_batch.backends.flashinfer_attention import FlashInferAttention
 
-        attention = FlashInferAttention("cuda")
+        attention = FlashInferAttention(DEVICE)
     kw = dict(attention=attention) if attention else {}
-    return Engine(*models, device="cuda", dtype=torch.bfloat16, cuda_graphs=graphs,
+    return Engine(*models, device=DEVICE, dtype=torch.bfloat16, cuda_graphs=graphs,
                   capture_sizes=sizes if graphs else None, **kw)
 
 
@@ -93,10 +107,10 @@ def timed(e: Engine, batch: int, speculation: bool, new: int = 64) -> tuple[floa
         return list(e.generate(reqs, bucket))
 
     go()
-    torch.cuda.synchronize()
+    sync()
     t = time.perf_counter()
     outs = go()
-    torch.cuda.synchronize()
+    sync()
     dt = time.perf_counter() - t
     rounds = max(len(c.spec.per_round) if c.spec else len(c.token_ids) - 1 for c in outs)
     return dt, sum(len(c.token_ids) for c in outs), rounds, {c.key: c.token_ids for c in outs}
@@ -107,11 +121,8 @@ def main() -> None:
     ap.add_argument("--backend", default="torch", choices=["torch", "flashinfer"])
     ap.add_argument("--out")
     a = ap.parse_args()
-    d = Path(tempfile.mkdtemp())
-    target = load_model(checkpoints.qwen3_checkpoint(d / "t", layers=4, peaked=False, **SHAPE), torch.bfloat16, "cuda")
-    drafter = load_model(checkpoints.dflash_checkpoint(d / "d", layers=1, **SHAPE), torch.bfloat16, "cuda")
-    attach_drafter(target, drafter)
-    models = (target, drafter)
+    models = load_models(Path(tempfile.mkdtemp()))
+    target = models[0]
     table = {"backend": a.backend, "kernels": kernel_errors(), "rounds": []}
     print(json.dumps({"kernels": table["kernels"]}), flush=True)
     sizes = [1, 4, 16, 32]

@@ -1,7 +1,9 @@
 """One line that says what the GPU check runs on: which nvcc and CUDA_HOME, which libcudart,
-which GPU, the versions of torch, Triton, flashinfer and fla (`prebuild_flashinfer.py check`, run
-after it, loads the prebuilt modules). Exits 1 when something the check needs is missing, after
-printing everything it found.
+which GPU, the versions of torch, Triton, flashinfer and fla, and whether this Triton is the one
+the carried Triton cache was built for (its build, CUDA backend and environment, as recorded in
+benchmarks/triton_cache.json: otherwise every kernel would compile here) and the cache is where
+it was built (`prebuild_flashinfer.py check`, run after it, loads the prebuilt flashinfer
+modules). Exits 1 when something the check needs is missing, after printing everything it found.
 
 python benchmarks/gpu_preflight.py [--no-gpu]   # --no-gpu: the device twin, on a CPU machine
 """
@@ -39,6 +41,21 @@ def libcudart() -> str | None:
     return str(found[0]) if found else ctypes.util.find_library("cudart")
 
 
+def carried_triton_cache(problems: list[str]) -> int:
+    """Kernels in the carried cache; a Triton that is not the one it was built for is a problem."""
+    from benchmarks.carried_cache import CACHE_DIR, MANIFEST, triton_identity
+
+    built = json.loads(MANIFEST.read_text())
+    for key, here in triton_identity().items():
+        if built[key] != here:
+            problems.append(f"the Triton cache was built for {key} {built[key]!r}, here it is {here!r}: every kernel "
+                            "would compile")
+    kernels = len(list(Path(CACHE_DIR).glob("*/__grp__*.json")))
+    if not kernels:
+        problems.append(f"no carried Triton cache in {CACHE_DIR}")
+    return kernels
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--no-gpu", action="store_true", help="a CPU machine (the device twin): no GPU expected")
@@ -61,9 +78,11 @@ def main() -> None:
         problems.append("no CUDA device")
     if not version("flashinfer-python"):
         problems.append("flashinfer not installed")
+    triton_kernels = carried_triton_cache(problems)
     line = dict(nvcc=nvcc, cuda_home=home, nvcc_version=nvcc_version, libcudart=libcudart(), gpu=gpu,
                 torch=torch.__version__, torch_cuda=torch.version.cuda, triton=version("triton"),
                 flashinfer=version("flashinfer-python"), fla=version("fla-core"),
+                triton_cache_kernels=triton_kernels,
                 jit_disabled=bool(os.environ.get("FLASHINFER_DISABLE_JIT")), problems=problems)
     print(json.dumps(line))
     sys.exit(1 if problems else 0)

@@ -44,7 +44,7 @@ def accept_torch(ids: torch.Tensor, chosen: torch.Tensor, pos: torch.Tensor, bud
     return accepted
 
 
-@jit
+@jit(do_not_specialize=("B", "S"))
 def _accept_kernel(ids_ptr, chosen_ptr, pos_ptr, budget_ptr, stop_ptr, out_ptr, acc_ptr,
                    B, S, BLOCK_B: tl.constexpr, BLOCK_S: tl.constexpr):
     row = tl.program_id(0)

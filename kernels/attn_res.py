@@ -31,7 +31,7 @@ def attn_res_torch(values: Sequence[torch.Tensor] | torch.Tensor, w: torch.Tenso
     return (scores.softmax(0)[..., None] * x).sum(0).to(stacked.dtype)
 
 
-@jit
+@jit(do_not_specialize=("T",))
 def _attn_res_kernel(values, row_strides, w_ptr, out_ptr, T, H, eps,
                      BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)

@@ -28,7 +28,7 @@ def prepare_torch(ids: torch.Tensor, pos: torch.Tensor, budget: torch.Tensor, ta
             pos + torch.clamp(budget + 1, max=B), pos + B)
 
 
-@jit
+@jit(do_not_specialize=("B", "P"))
 def _prepare_kernel(ids_ptr, pos_ptr, budget_ptr, tables_ptr, draft_ptr, positions_ptr, slots_ptr,
                     draft_kv_ptr, verify_kv_ptr, B, P, page_size, mask_id, BLOCK_B: tl.constexpr):
     row = tl.program_id(0)

@@ -9,9 +9,11 @@ form. Run by benchmarks/gpu_check.sh."""
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from dflash_batch.testing import checkpoints
 from dflash_batch.backends.meta import AttnMeta
@@ -30,11 +32,30 @@ needs_flashinfer = pytest.mark.skipif(not FLASHINFER, reason="needs flashinfer")
 SHAPE = dict(vocab=64, hidden=256, heads=4, kv_heads=2, head_dim=64, inter=512)
 
 
+HEAD_SCALE = 10.0  # the pairs' heads: peaked enough that few greedy steps are near ties (compared_to_near_ties)
+
+
+def qwen_pair(d: Path) -> tuple[Path, Path]:
+    """The Qwen3 pair, its target's head replaced by a peaked one (kimi_pair.peaked_head: eight
+    likely tokens spread along one direction) so that greedy argmaxes mostly have margins."""
+    from dflash_batch.testing.kimi_pair import ACTIVE, peaked_head
+
+    target = checkpoints.qwen3_checkpoint(d / "target", layers=4, **SHAPE)
+    weights = load_file(target / "model.safetensors")
+    weights["lm_head.weight"] = peaked_head(0, HEAD_SCALE, ACTIVE, SHAPE["vocab"], hidden=SHAPE["hidden"])
+    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
+    return target, checkpoints.dflash_checkpoint(d / "drafter", version=1, layers=2, sliding_window=24, **SHAPE)
+
+
+def kimi_pair(d: Path) -> tuple[Path, Path]:
+    from dflash_batch.testing.kimi_pair import make_kimi_pair
+
+    return make_kimi_pair(d, head_scale=HEAD_SCALE)
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    d = tmp_path_factory.mktemp("gpu_pair")
-    return (checkpoints.qwen3_checkpoint(d / "target", layers=4, **SHAPE),
-            checkpoints.dflash_checkpoint(d / "drafter", version=1, layers=2, sliding_window=24, **SHAPE))
+    return qwen_pair(tmp_path_factory.mktemp("gpu_pair"))
 
 
 def load(pair, device: str, dtype=torch.float32, speculative: bool = True):
@@ -51,11 +72,47 @@ def prompts(n: int) -> list[list[int]]:
     return [torch.randint(0, 63, (int(k),), generator=g).tolist() for k in torch.randint(1, 90, (n,), generator=g)]
 
 
-def outcomes(engine: Engine, n: int, max_num_seqs: int = 6, speculation: bool = True, **sampling) -> dict:
+def completions(engine: Engine, n: int, max_num_seqs: int = 6, speculation: bool = True, **sampling) -> dict:
     reqs = [Request((str(i), 0), p, SamplingParams(max_new_tokens=5 + 7 * (i % 5), seed=40 + i, **sampling))
             for i, p in enumerate(prompts(n))]
-    b = Bucket(0, "0-256", 256, max_num_seqs, speculation, None)
-    return {c.key: (c.token_ids, c.spec.per_round if c.spec else None) for c in engine.generate(reqs, b)}
+    return {c.key: c for c in engine.generate(reqs, Bucket(0, "0-256", 256, max_num_seqs, speculation, None))}
+
+
+def outcome(c) -> tuple:
+    return c.token_ids, c.spec.per_round if c.spec else None
+
+
+def outcomes(engine: Engine, n: int, max_num_seqs: int = 6, speculation: bool = True, **sampling) -> dict:
+    return {key: outcome(c) for key, c in completions(engine, n, max_num_seqs, speculation, **sampling).items()}
+
+
+# Greedy runs that round differently (bfloat16 through other kernels or verify widths; TF32 in
+# fla's chunked prefill against the CPU's float32) can flip a near tie and prove nothing there:
+# such a comparison goes up to each sequence's first step whose top-2 margin in the reference run
+# is under the margin, which a peaked head keeps to few steps (tests/test_gpu_check_plan.py counts
+# them on the CPU).
+BF16_MARGIN = 0.1   # nats: bfloat16 keeps 8 significant bits; logits of ~3 move by a few hundredths
+TF32_MARGIN = 0.05  # nats: TF32 keeps 10; the tiny Kimi pair's logits move by under 0.01
+MOSTLY = 0.5        # of the steps, at least, compared (on the CPU: 64-94% with these heads)
+
+
+def compared_to_near_ties(got: dict, want: dict, margin: float) -> int:
+    """Steps compared: each sequence of `got` (outcomes) against `want` (completions with
+    logprobs=2) up to its first step whose margin in `want` is under `margin`, its accepted drafts
+    per round too where there is none."""
+    compared = 0
+    for key, c in want.items():
+        margins = [top[0] - top[1] for top in c.logprobs.top]
+        n = next((i for i, m in enumerate(margins) if m < margin), len(margins))
+        assert got[key][0][:n] == c.token_ids[:n], f"{key}: tokens differ before any near tie"
+        if n == len(margins):
+            assert got[key][1] == outcome(c)[1], f"{key}: accepted drafts differ"
+        compared += n
+    return compared
+
+
+def steps(runs: dict) -> int:
+    return sum(len(c.token_ids) for c in runs.values())
 
 
 # -- flashinfer attention == torch attention -------------------------------------------------------
@@ -142,10 +199,9 @@ def test_flashinfer_engine_matches_torch_engine(pair):
     from dflash_batch.backends.flashinfer_attention import FlashInferAttention
 
     models = load(pair, "cuda", torch.bfloat16)
-    ref = outcomes(Engine(*models, device="cuda", dtype=torch.bfloat16), 7)
+    ref = completions(Engine(*models, device="cuda", dtype=torch.bfloat16), 7, logprobs=2)
     got = outcomes(Engine(*models, device="cuda", dtype=torch.bfloat16, attention=FlashInferAttention("cuda")), 7)
-    same = sum(got[k][0] == ref[k][0] for k in ref)
-    assert same == len(ref), f"{same}/{len(ref)} sequences agree (bf16, flashinfer vs torch)"
+    assert compared_to_near_ties(got, ref, BF16_MARGIN) >= MOSTLY * steps(ref)
 
 
 @needs_flashinfer
@@ -164,16 +220,15 @@ def test_cuda_graphs_equal_eager_flashinfer(pair, sampling):
 
 
 @needs_flashinfer
-def test_speculative_greedy_equals_target_greedy_under_graphs(pair):
+def test_flashinfer_speculative_greedy_equals_target_greedy_under_graphs(pair):
     from dflash_batch.backends.flashinfer_attention import FlashInferAttention
 
     models = load(pair, "cuda", torch.bfloat16)
     engine = Engine(*models, device="cuda", dtype=torch.bfloat16, attention=FlashInferAttention("cuda"),
                     cuda_graphs=True, capture_sizes=[1, 2, 4, 8])
-    spec = outcomes(engine, 9)
-    plain = outcomes(engine, 9, speculation=False)
-    assert {k: v[0] for k, v in spec.items()} == {k: v[0] for k, v in plain.items()}
-
+    spec = {key: (tokens, None) for key, (tokens, _) in outcomes(engine, 9).items()}
+    plain = completions(engine, 9, speculation=False, logprobs=2)
+    assert compared_to_near_ties(spec, plain, BF16_MARGIN) >= MOSTLY * steps(plain)
 
 
 # -- Kimi-K3 + DFlash2-MLA: KDA through fla, Triton MXFP4 MoE and AttnRes, torch attention -------------
@@ -184,7 +239,9 @@ needs_fla = pytest.mark.skipif(not (CUDA and importlib.util.find_spec("fla") is 
 @pytest.mark.parametrize("T", [1, 100, 1000])
 def test_kda_chunked_kernel_equals_torch(T):
     """fla's chunk_kda (prefill) in our layouts == the torch chunked form in float64, at Kimi-K3's
-    head size; chunk_kda's dots may run in TF32, hence the looser bound."""
+    head size. On sm_90 its float32 dots run as TF32 (Triton's default for a float32 tl.dot, and
+    fla asks 'tf32' for its triangular solve): 10 significant bits, so 3e-3 of the largest value
+    rather than float32's rounding."""
     import kernels.kda
     from dflash_batch.models.layers.kda import kda_chunked, l2norm
 
@@ -201,25 +258,24 @@ def test_kda_chunked_kernel_equals_torch(T):
 
 @pytest.fixture(scope="module")
 def kimi(tmp_path_factory):
-    from dflash_batch.testing.kimi_pair import make_kimi_pair
-
-    return make_kimi_pair(tmp_path_factory.mktemp("kimi_pair"))
+    return kimi_pair(tmp_path_factory.mktemp("kimi_pair"))
 
 
 def kimi_outcomes(engine: Engine, n: int = 9, speculation: bool = True, **sampling) -> dict:
-    reqs = [Request((str(i), 0), p, SamplingParams(max_new_tokens=5 + 7 * (i % 5), seed=40 + i, **sampling))
-            for i, p in enumerate(prompts(n))]
-    b = Bucket(0, "0-256", 256, 6, speculation, None)
-    return {c.key: (c.token_ids, c.spec.per_round if c.spec else None) for c in engine.generate(reqs, b)}
+    return outcomes(engine, n, 6, speculation, **sampling)
 
 
 @needs_fla
 def test_kimi_on_gpu_matches_cpu(kimi):
-    """Every GPU kernel of the pair (fla KDA, Triton MoE and AttnRes) against the CPU's torch path:
-    the same tokens and accepted drafts (the tiny pair's head is peaked: argmaxes have margins)."""
-    cpu = kimi_outcomes(Engine(*load(kimi, "cpu")))
+    """Every GPU kernel of the pair (fla KDA, Triton MoE and AttnRes) against the CPU's float32
+    torch path: the same tokens and accepted drafts. fla's chunked prefill runs its float32 dots
+    as TF32 on sm_90 (10 significant bits; everything else here stays float32: torch keeps TF32
+    off for float32 matmuls, the MoE kernel asks IEEE), so each sequence is compared up to its
+    first greedy step whose margin on the CPU is under TF32_MARGIN; the peaked head keeps that
+    to a few steps (tests/test_gpu_check_plan.py counts them on the CPU)."""
+    cpu = completions(Engine(*load(kimi, "cpu")), 9, logprobs=2)
     gpu = kimi_outcomes(Engine(*load(kimi, "cuda"), device="cuda"))
-    assert gpu == cpu
+    assert compared_to_near_ties(gpu, cpu, TF32_MARGIN) >= MOSTLY * steps(cpu)
 
 
 @needs_fla

@@ -64,7 +64,7 @@ def set_target_head(target_dir: Path, head: torch.Tensor) -> None:
 
 
 def peaked_head(seed: int, scale: float = 3.0, active: int = ACTIVE, vocab: int = VOCAB,
-                slices: int = 1) -> torch.Tensor:
+                slices: int = 1, hidden: int = HIDDEN) -> torch.Tensor:
     """Near rank one on the first `active` tokens, logits ~ scale * (h.u) * c + noise: the argmax is
     mostly a token at one end of c, which the drafter (borrowing this head) also tends to propose,
     so rounds accept 0..B-1 drafts. The other tokens get a faint noise row rather than zeros, so no
@@ -72,17 +72,17 @@ def peaked_head(seed: int, scale: float = 3.0, active: int = ACTIVE, vocab: int 
     `slices` > 1, for tensor-parallel tests: each of the vocabulary's `slices` equal parts (each
     rank's slice) holds active / slices of the tokens, at its start, peaked along a direction of
     their own (the head is rank `slices`), so greedy tokens and the drafter's candidates come from
-    every rank's slice, not rank 0's alone."""
+    every rank's slice, not rank 0's alone. `hidden`: the target's width (the tiny one's by default)."""
     if active % slices or vocab % slices:
         raise ValueError(f"slices={slices} must divide active={active} and vocab={vocab}")
     gen = torch.Generator().manual_seed(seed + 99)
-    u = torch.randn(slices, HIDDEN, generator=gen) / HIDDEN ** 0.5
-    head = 0.001 * torch.randn(vocab, HIDDEN, generator=gen)
+    u = torch.randn(slices, hidden, generator=gen) / hidden ** 0.5
+    head = 0.001 * torch.randn(vocab, hidden, generator=gen)
     per_slice = active // slices
     ids = (torch.arange(slices)[:, None] * (vocab // slices) + torch.arange(per_slice)).flatten()
     c = torch.linspace(-1, 1, per_slice)
     head[ids] += scale * (c[None, :, None] * u[:, None, :]).flatten(0, 1)
-    head[ids] += 0.05 * torch.randn(active, HIDDEN, generator=gen)
+    head[ids] += 0.05 * torch.randn(active, hidden, generator=gen)
     return head
 
 
@@ -92,12 +92,13 @@ def make_kimi_pair(directory: str | Path, stream: str = "prefix", window: int = 
     """(target_dir, drafter_dir) under directory. `head_scale` < 3 softens the peaked head (for
     sampling tests that need several likely tokens per step); `slices`: the tensor-parallel ranks
     whose vocabulary slices all hold likely tokens (peaked_head); `drafter_dims` and
-    `target_overrides` widen the pair (the peaked head is the tiny width's)."""
+    `target_overrides` widen the pair (the peaked head follows the target's width)."""
     directory = Path(directory)
     target = make_kimi_checkpoint(directory / "target", seed=seed, **target_overrides)
     vocab = target_overrides.get("vocab_size", VOCAB)
     if peaked:
-        set_target_head(target, peaked_head(seed, head_scale, active, vocab, slices))
+        set_target_head(target, peaked_head(seed, head_scale, active, vocab, slices,
+                                            target_overrides.get("hidden_size", HIDDEN)))
     layers = target_overrides.get("num_hidden_layers", 8)
     drafter = directory / f"drafter_{stream}"
     drafter.mkdir(parents=True, exist_ok=True)
