@@ -8,7 +8,7 @@
 #     .triton_cache/);
 #   - gpu_check.sh's install and preflight stages as the device runs them (--no-index, --target),
 #     the venv's own packages compared before and after (the install must not touch them);
-#   - every module of dflash_batch and kernels imported, with flashinfer, fla and tvm_ffi;
+#   - every module of dflash_batch (dflash_batch.kernels included) imported, with flashinfer, fla and tvm_ffi;
 #   - `pytest --collect-only -m gpu tests/test_gpu.py`;
 #   - the prebuilt flashinfer modules loaded with JIT disabled (the preflight's second half);
 #   - each stage's Triton kernels (benchmarks/triton_cache.py check) from the carried cache, with
@@ -77,9 +77,9 @@ grep -o '"cuda_home": "[^"]*", "nvcc_version": "[^"]*", "libcudart": "[^"]*"' "$
 export PYTHONPATH=$PWD:$TWIN/site FLASHINFER_CUDA_ARCH_LIST=9.0a
 "$PY" - > "$OUT/imports.txt" 2>&1 <<'EOF'
 import importlib, pkgutil
-import dflash_batch, kernels
+import dflash_batch, dflash_batch.kernels  # the kernels: a namespace package walk_packages does not enter
 names = ["flashinfer", "fla", "tvm_ffi", "flashinfer.mla"]
-for package in (dflash_batch, kernels):
+for package in (dflash_batch, dflash_batch.kernels):
     names += [m.name for m in pkgutil.walk_packages(package.__path__, package.__name__ + ".")]
 failed = []
 for name in names:

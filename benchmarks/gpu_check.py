@@ -20,16 +20,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dflash_batch.testing import checkpoints  # noqa: E402
 from dflash_batch.engine.engine import Engine  # noqa: E402
 from dflash_batch.engine.pair import attach_drafter  # noqa: E402
 from dflash_batch.engine.request import Request, SamplingParams  # noqa: E402
+from dflash_batch.kernels.accept import accept_torch, accept_triton  # noqa: E402
+from dflash_batch.kernels.prepare import prepare_torch, prepare_triton  # noqa: E402
+from dflash_batch.kernels.sample import sample_torch, sample_triton  # noqa: E402
+from dflash_batch.kernels.scatter import scatter_torch, scatter_triton  # noqa: E402
 from dflash_batch.models.loader import load_model  # noqa: E402
 from dflash_batch.plan.buckets import Bucket  # noqa: E402
-from kernels.accept import accept_torch, accept_triton  # noqa: E402
-from kernels.prepare import prepare_torch, prepare_triton  # noqa: E402
-from kernels.sample import sample_torch, sample_triton  # noqa: E402
-from kernels.scatter import scatter_torch, scatter_triton  # noqa: E402
+from dflash_batch.testing import checkpoints  # noqa: E402
 
 SHAPE = dict(vocab=1000, hidden=256, heads=4, kv_heads=2, head_dim=64, inter=512)
 DEVICE = "cuda"  # benchmarks/triton_cache.py runs these functions on the CPU to compile their kernels

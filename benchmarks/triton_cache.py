@@ -202,20 +202,19 @@ def shadow_kernels() -> None:
     """kernels.ops picks the shadowed Triton ops on any device; the test files' direct imports of
     the *_triton functions and kernels/kda.py's fla calls are shadowed too. fla is used for a
     float32 state pool, as on a GPU (dflash_batch/models/layers/kda.py kda_kernels)."""
-    import kernels
-    import kernels.kda
+    from dflash_batch.kernels import kda, ops
     from dflash_batch.models.layers import kda as kda_layer
 
     shadow = types.SimpleNamespace(name="triton")
     for op in ("sample", "accept", "prepare", "scatter", "attn_res", "moe_mxfp4"):
-        module = sys.modules[getattr(kernels.TRITON, op).__module__]
-        fn = shadowed(getattr(kernels.TRITON, op), getattr(kernels.TORCH, op))
+        module = sys.modules[getattr(ops.TRITON, op).__module__]
+        fn = shadowed(getattr(ops.TRITON, op), getattr(ops.TORCH, op))
         setattr(shadow, op, fn)
         setattr(module, f"{op}_triton", fn)
-    kernels.ops = lambda device: shadow
-    recurrent = shadowed(kernels.kda.recurrent, kda_layer.kda_recurrent)
-    chunked = shadowed(kernels.kda.chunked, kda_layer.kda_chunked)
-    kernels.kda.recurrent, kernels.kda.chunked = recurrent, chunked
+    ops.for_device = lambda device: shadow
+    recurrent = shadowed(kda.recurrent, kda_layer.kda_recurrent)
+    chunked = shadowed(kda.chunked, kda_layer.kda_chunked)
+    kda.recurrent, kda.chunked = recurrent, chunked
     torch_kernels = kda_layer.kda_kernels
     kda_layer.kda_kernels = lambda state: (recurrent, chunked) if state.dtype == torch.float32 else torch_kernels(state)
 
@@ -258,14 +257,14 @@ def qwen_bf16(work: Path) -> None:
 def torch_kimi(work: Path) -> None:
     """tests/test_gpu.py's Kimi-K3 tests: fla's chunked kernel at its test shapes, the tiny pair
     in float32 greedy, sampled and target-only."""
-    import kernels.kda
+    from dflash_batch.kernels import kda
     from dflash_batch.engine.engine import Engine
     from tests.test_gpu import kimi_outcomes, kimi_pair, load
 
     for T in (1, 100, 1000):
         H, d = 4, 128
         q, k, v, g = (torch.randn(T, H, d) for _ in range(4))
-        kernels.kda.chunked(q, k, v, g, torch.rand(T, H), torch.randn(H, d, d))
+        kda.chunked(q, k, v, g, torch.rand(T, H), torch.randn(H, d, d))
     engine = Engine(*load(kimi_pair(work / "kimi"), "cpu"), device="cpu")
     kimi_outcomes(engine)
     kimi_outcomes(engine, temperature=1.0, top_p=0.9)

@@ -15,10 +15,10 @@ from dflash_batch import parallel
 from dflash_batch.engine.engine import Engine
 from dflash_batch.engine.pair import attach_drafter
 from dflash_batch.job import AutoSpeculationSpec, Job, JobError
+from dflash_batch.kernels import _triton
 from dflash_batch.models.dflash import draft_value
 from dflash_batch.models.loader import load_config, load_model
 from dflash_batch.tokenizer import Tokenizer
-from kernels import _triton
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 QWEN3, KIMI_K3 = "Qwen3ForCausalLM", "KimiK3ForConditionalGeneration"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import jit, tl
+from dflash_batch.kernels._triton import jit, tl
 
 STOP, LENGTH = 1, 2
 

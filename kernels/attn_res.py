@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels._triton import jit, tl
+from dflash_batch.kernels._triton import jit, tl
 
 
 def attn_res_torch(values: Sequence[torch.Tensor] | torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import jit, tl
+from dflash_batch.kernels._triton import jit, tl
 
 M32 = 0xFFFFFFFF
 MUL1, MUL2 = 0x7FEB352D, 0x1B873593

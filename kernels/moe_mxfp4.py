@@ -43,7 +43,7 @@ from collections.abc import Callable
 
 import torch
 
-from kernels._triton import jit, tl, triton
+from dflash_batch.kernels._triton import jit, tl, triton
 
 # FP4 E2M1 code -> value. Bit 3 is the sign, so code 8 is negative zero (quant.py's table).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import jit, tl
+from dflash_batch.kernels._triton import jit, tl
 
 
 def prepare_torch(ids: torch.Tensor, pos: torch.Tensor, budget: torch.Tensor, tables: torch.Tensor,

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import jit, tl
-from kernels.coins import coin, coins
+from dflash_batch.kernels._triton import jit, tl
+from dflash_batch.kernels.coins import coin, coins
 
 
 def top1(logits: torch.Tensor) -> torch.Tensor:

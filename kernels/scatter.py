@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import jit, tl
+from dflash_batch.kernels._triton import jit, tl
 
 
 def scatter_torch(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:

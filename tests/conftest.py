@@ -10,7 +10,7 @@ import pytest
 import torch
 
 # Triton kernels run on the CPU through Triton's interpreter; the switch is read when a kernel
-# is defined, so it must be set before any test imports kernels/.
+# is defined, so it must be set before any test imports dflash_batch.kernels.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

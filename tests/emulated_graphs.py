@@ -30,9 +30,9 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten
 
 import dflash_batch.backends.flashinfer_attention as flashinfer_attention
-import dflash_batch.models.kimi_k3 as kimi_k3
-import kernels.moe_mxfp4
 from dflash_batch.engine.graphs import RoundGraphs
+from dflash_batch.kernels import moe_mxfp4
+import dflash_batch.models.kimi_k3 as kimi_k3
 
 aten = torch.ops.aten
 HOST_READS = ("tolist", "numpy", "cpu")  # host copies no dispatch shows for a CPU tensor
@@ -161,7 +161,7 @@ class Capture(_RefuseHostSyncs):
 
 def every_expert(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, width: int, experts: int,
                  expert) -> torch.Tensor:
-    """kernels.moe_mxfp4.routed_sum without its grouping by expert on the host: every expert runs
+    """moe_mxfp4.routed_sum without its grouping by expert on the host: every expert runs
     on every row, times its routing weight (0 where not chosen), experts in the same ascending
     order. The CPU's MoE takes this form inside an emulated capture; on the GPU the Triton MoE
     groups on the device (tests/test_round_host_reads.py runs it under the guard)."""
@@ -179,14 +179,14 @@ class EmulatedGraphs(RoundGraphs):
             self.step(self.batch, size, greedy, self.max_kv, width)
         graph = Capture()
         # The backend takes its graph wrappers; the CPU's MoE its capturable form.
-        saved = flashinfer_attention.capturing, kernels.moe_mxfp4.routed_sum, kimi_k3.routed_sum
+        saved = flashinfer_attention.capturing, moe_mxfp4.routed_sum, kimi_k3.routed_sum
         flashinfer_attention.capturing = lambda device: True
-        kernels.moe_mxfp4.routed_sum = kimi_k3.routed_sum = every_expert
+        moe_mxfp4.routed_sum = kimi_k3.routed_sum = every_expert
         try:
             with graph.record():
                 self.step(self.batch, size, greedy, self.max_kv, width)
         finally:
-            flashinfer_attention.capturing, kernels.moe_mxfp4.routed_sum, kimi_k3.routed_sum = saved
+            flashinfer_attention.capturing, moe_mxfp4.routed_sum, kimi_k3.routed_sum = saved
         self.graphs[(size, greedy, width)] = graph
 
     def replay(self, size: int, greedy: bool, width: int | None = None) -> None:

@@ -18,8 +18,8 @@ import torch
 from dflash_batch.engine import engine as engine_module
 from dflash_batch.engine.engine import Engine
 from dflash_batch.engine.request import Request, SamplingParams
-from kernels import _triton
-from kernels.scatter import scatter_triton
+from dflash_batch.kernels import _triton
+from dflash_batch.kernels.scatter import scatter_triton
 from tests.emulated_graphs import Capture, EmulatedGraphs
 from tests.engine_util import bucket, load_pair, make_drafter, make_target, random_prompts
 

@@ -242,7 +242,7 @@ def test_kda_chunked_kernel_equals_torch(T):
     head size. On sm_90 its float32 dots run as TF32 (Triton's default for a float32 tl.dot, and
     fla asks 'tf32' for its triangular solve): 10 significant bits, so 3e-3 of the largest value
     rather than float32's rounding."""
-    import kernels.kda
+    from dflash_batch.kernels import kda
     from dflash_batch.models.layers.kda import kda_chunked, l2norm
 
     g = torch.Generator().manual_seed(T)
@@ -251,7 +251,7 @@ def test_kda_chunked_kernel_equals_torch(T):
     v = torch.randn(T, H, d, generator=g)
     gate, beta, state = -5 * torch.rand(T, H, d, generator=g), torch.rand(T, H, generator=g), torch.randn(H, d, d)
     want_o, want_S = kda_chunked(*(x.double() for x in (q, k, v, gate, beta, state)))
-    o, S = kernels.kda.chunked(*(x.cuda() for x in (q, k, v, gate, beta, state)))
+    o, S = kda.chunked(*(x.cuda() for x in (q, k, v, gate, beta, state)))
     torch.testing.assert_close(o.cpu().double(), want_o, atol=3e-3 * want_o.abs().max().item(), rtol=0)
     torch.testing.assert_close(S.cpu().double(), want_S, atol=3e-3 * want_S.abs().max().item(), rtol=0)
 

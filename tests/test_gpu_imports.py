@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BLOCKED = ("dflash", "transformers")
 # What benchmarks/gpu_check.sh runs on the device: every Python file its stages name.
 CHECK = sorted(set(re.findall(r"\b(?:tests|benchmarks)/\w+\.py", (ROOT / "benchmarks/gpu_check.sh").read_text())))
-OURS = ("dflash_batch", "kernels", "tests", "benchmarks")
+OURS = ("dflash_batch", "tests", "benchmarks")
 
 PROBE = """
 import importlib, importlib.abc, sys

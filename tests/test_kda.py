@@ -49,7 +49,18 @@ def hf_kda():
     to a multiple of chunk_size (64) internally.
     """
     mod = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
-    return mod.recurrent_kimi_delta_attention.__wrapped__, mod.chunk_kimi_delta_attention.__wrapped__
+    return torch_function(mod.recurrent_kimi_delta_attention), torch_function(mod.chunk_kimi_delta_attention)
+
+
+def torch_function(wrapper):
+    """The torch function transformers wraps with a fallback to fla: its functools.wraps
+    __wrapped__; with Hugging Face's `kernels` package installed, that wrapper is itself held in
+    a module (its forward's closure) that the hub can swap."""
+    held = type(wrapper).forward.__closure__ or () if isinstance(wrapper, torch.nn.Module) else ()
+    for f in (wrapper, *(cell.cell_contents for cell in held)):
+        if hasattr(f, "__wrapped__"):
+            return f.__wrapped__
+    raise AssertionError(f"no torch function found inside transformers' {wrapper!r}")
 
 
 def spec_loop(q, k, v, g, beta, state):

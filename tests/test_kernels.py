@@ -8,12 +8,12 @@ import pytest
 import torch
 from scipy.stats import kstest
 
-from kernels import _triton
-from kernels.accept import accept_torch, accept_triton
-from kernels.coins import coins
-from kernels.prepare import prepare_torch, prepare_triton
-from kernels.sample import sample_torch, sample_triton
-from kernels.scatter import scatter_torch, scatter_triton
+from dflash_batch.kernels import _triton
+from dflash_batch.kernels.accept import accept_torch, accept_triton
+from dflash_batch.kernels.coins import coins
+from dflash_batch.kernels.prepare import prepare_torch, prepare_triton
+from dflash_batch.kernels.sample import sample_torch, sample_triton
+from dflash_batch.kernels.scatter import scatter_torch, scatter_triton
 
 needs_triton = pytest.mark.skipif(not _triton.available(), reason="Triton is not installed")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dflash_batch.kernels import _triton
+from dflash_batch.kernels.attn_res import attn_res_torch, attn_res_triton
 from dflash_batch.models.kimi_k3 import attn_res_mix
 from dflash_batch.models.layers.dtypes import wide
 from dflash_batch.models.layers.linear import ReplicatedLinear
 from dflash_batch.models.layers.norm import RMSNorm
-from kernels import _triton
-from kernels.attn_res import attn_res_torch, attn_res_triton
 from tests.numerics import assert_close
 
 needs_triton = pytest.mark.skipif(not _triton.available(), reason="Triton is not installed")

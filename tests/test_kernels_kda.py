@@ -9,13 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels.kda
+from dflash_batch.kernels import _triton
+from dflash_batch.kernels import kda as fla_kda
 from dflash_batch.models.layers.kda import kda_recurrent, l2norm
-from kernels import _triton
 from tests.numerics import assert_close
 
 pytestmark = [pytest.mark.numerics, pytest.mark.skipif(
-    not (kernels.kda.available() and _triton.available()), reason="fla-core or Triton is not installed")]
+    not (fla_kda.available() and _triton.available()), reason="fla-core or Triton is not installed")]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 H, K, V = 3, 32, 16  # head dims below the kernel's 32-wide value tile: a masked tile
 
@@ -41,7 +41,7 @@ def test_recurrent_equals_torch_in_float64(batch, T, fresh):
     q, k, v, g, beta, state = inputs(*batch, T=T, seed=T)
     state = None if fresh else state
     want_o, want_S = kda_recurrent(*(x.double() for x in (q, k, v, g, beta)), None if fresh else state.double())
-    o, S = kernels.kda.recurrent(*on_device(q, k, v, g, beta, state))
+    o, S = fla_kda.recurrent(*on_device(q, k, v, g, beta, state))
     assert o.dtype == S.dtype == torch.float32 and o.shape == want_o.shape and S.shape == want_S.shape
     assert_close(o.cpu().double(), want_o, rel=1e-5)
     assert_close(S.cpu().double(), want_S, rel=1e-5)
@@ -51,7 +51,7 @@ def test_bfloat16_inputs():
     q, k, v, g, beta, state = inputs(2, T=8, seed=1)
     v = v.bfloat16()
     want_o, want_S = kda_recurrent(q.double(), k.double(), v.double(), g.double(), beta.double(), state.double())
-    o, S = kernels.kda.recurrent(*on_device(q, k, v, g, beta, state))
+    o, S = fla_kda.recurrent(*on_device(q, k, v, g, beta, state))
     assert o.dtype == torch.float32
     assert_close(o.cpu().double(), want_o, rel=1e-5)
     assert_close(S.cpu().double(), want_S, rel=1e-5)
@@ -63,7 +63,7 @@ def test_masked_rows_keep_the_prefix_state():
     kept = torch.tensor([1, 3, 8, 5])
     live = torch.arange(8) < kept[:, None]
     g_m, beta_m = torch.where(live[..., None, None], g, 0), torch.where(live[..., None], beta, 0)
-    _, S = kernels.kda.recurrent(*on_device(q, k, v, g_m, beta_m, state))
+    _, S = fla_kda.recurrent(*on_device(q, k, v, g_m, beta_m, state))
     for b, n in enumerate(kept.tolist()):
-        _, prefix = kernels.kda.recurrent(*on_device(q[b, :n], k[b, :n], v[b, :n], g[b, :n], beta[b, :n], state[b]))
+        _, prefix = fla_kda.recurrent(*on_device(q[b, :n], k[b, :n], v[b, :n], g[b, :n], beta[b, :n], state[b]))
         assert torch.equal(S[b], prefix), b

@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
+from dflash_batch.kernels import _triton
+from dflash_batch.kernels.moe_mxfp4 import E2M1_VALUES, dequant_mxfp4, moe_mxfp4_torch, moe_mxfp4_triton
 from dflash_batch.models import kimi_k3, quant
-from kernels import _triton
-from kernels.moe_mxfp4 import E2M1_VALUES, dequant_mxfp4, moe_mxfp4_torch, moe_mxfp4_triton
 
 needs_triton = pytest.mark.skipif(not _triton.available(), reason="Triton is not installed")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

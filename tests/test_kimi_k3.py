@@ -11,13 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels.kda
 from dflash_batch.engine.cache import SeqRows, build_meta
+from dflash_batch.kernels import _triton
+from dflash_batch.kernels import kda as fla_kda
 from dflash_batch.models import kimi_k3
 from dflash_batch.models.layers.kda import kda_chunked
 from dflash_batch.models.loader import load_model
 from tests.kimi_reference import reference_forward
-from kernels import _triton
 from tests.numerics import assert_close
 from dflash_batch.testing.kimi import make_kimi_checkpoint
 
@@ -94,7 +94,7 @@ def test_chunked_prefill_equals_one_shot(checkpoint, chunk, dtype):
 # (kernels/kda.py; on the CPU under TRITON_INTERPRET=1): float32 only, as on the GPU.
 KDA_PATHS = [pytest.param((torch.float64, "torch"), id="f64"), pytest.param((torch.float32, "torch"), id="f32"),
              pytest.param((torch.float32, "fla"), id="f32-fla", marks=pytest.mark.skipif(
-                 not (kernels.kda.available() and _triton.available()), reason="fla-core or Triton is not installed"))]
+                 not (fla_kda.available() and _triton.available()), reason="fla-core or Triton is not installed"))]
 
 
 @pytest.fixture(params=KDA_PATHS)
@@ -102,7 +102,7 @@ def kda_path(request, monkeypatch) -> torch.dtype:
     """The dtype of the case; with "fla", the model's recurrent KDA is fla's kernel."""
     dtype, path = request.param
     if path == "fla":
-        monkeypatch.setattr(kimi_k3, "kda_kernels", lambda state: (kernels.kda.recurrent, kda_chunked))
+        monkeypatch.setattr(kimi_k3, "kda_kernels", lambda state: (fla_kda.recurrent, kda_chunked))
     return dtype
 
 

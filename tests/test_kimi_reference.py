@@ -13,6 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tests import kimi_reference as R
+from tests.test_kda import torch_function
 from dflash_batch.testing.kimi import FP32_SUFFIXES, TINY_KIMI_TEXT, make_kimi_checkpoint
 
 pytestmark = pytest.mark.numerics
@@ -287,7 +288,7 @@ def test_kda_core_matches_transformers():
     """The delta-rule loop against transformers' (older Kimi-Linear) torch KDA core, whose recurrence
     is the same; it takes q unscaled, L2-normalizes q and k itself with use_qk_l2norm_in_kernel."""
     mod = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
-    hf = mod.recurrent_kimi_delta_attention.__wrapped__
+    hf = torch_function(mod.recurrent_kimi_delta_attention)
     gen = torch.Generator().manual_seed(2)
     T, nh, d = 7, 3, 8
     q, k, v, f = (torch.randn(T, nh, d, generator=gen, dtype=F64) for _ in range(4))

@@ -16,17 +16,16 @@ import pytest
 import torch
 
 import dflash_batch.models.layers.kda as kda_layer
-import kernels
-import kernels.kda
+from dflash_batch.engine import engine as engine_module
 from dflash_batch.engine.engine import Engine
 from dflash_batch.engine.request import Request, SamplingParams
-from dflash_batch.engine import engine as engine_module
+from dflash_batch.kernels import _triton, kda, ops
 from dflash_batch.testing import kimi_pair
 from tests import fake_flashinfer
 from tests.emulated_graphs import EmulatedGraphs, HostSync, refuse_host_syncs
 from tests.engine_util import bucket, load_pair, make_drafter, make_target, random_prompts
 
-pytestmark = pytest.mark.skipif(not kernels._triton.available(), reason="needs Triton (its interpreter)")
+pytestmark = pytest.mark.skipif(not _triton.available(), reason="needs Triton (its interpreter)")
 
 SAMPLING = {"greedy": {},
             "sampled": dict(temperature=1.0, top_p=0.9, top_k=20, repetition_penalty=1.2, presence_penalty=0.3,
@@ -37,8 +36,8 @@ WANT = {"greedy": (True, False, False, False), "sampled": (False, True, True, Tr
 @pytest.fixture()
 def gpu_paths(monkeypatch):
     """The kernels a CUDA device would run, here on the CPU."""
-    monkeypatch.setattr(kernels, "ops", lambda device: kernels.TRITON)
-    monkeypatch.setattr(kda_layer, "kda_kernels", lambda state: (kernels.kda.recurrent, kda_layer.kda_chunked))
+    monkeypatch.setattr(ops, "for_device", lambda device: ops.TRITON)
+    monkeypatch.setattr(kda_layer, "kda_kernels", lambda state: (kda.recurrent, kda_layer.kda_chunked))
 
 
 class CountedGraphs(EmulatedGraphs):

@@ -23,10 +23,6 @@ import yaml
 from click.testing import CliRunner
 from torch.profiler import ProfilerActivity, profile, record_function
 
-import kernels
-import kernels._triton
-import kernels.kda
-import kernels.moe_mxfp4
 from dflash_batch import parallel
 from dflash_batch.backends.torch_attention import TORCH
 from dflash_batch.build import EngineSetup
@@ -34,6 +30,7 @@ from dflash_batch.cli import main
 from dflash_batch.engine.engine import Engine, runtime_tensors
 from dflash_batch.engine.request import Request, SamplingParams
 from dflash_batch.job import gpu_bytes, load_job
+from dflash_batch.kernels import _triton, kda, moe_mxfp4, ops
 from dflash_batch.models import activations
 from dflash_batch.models.loader import load_model
 from dflash_batch.plan.buckets import plan_buckets
@@ -214,10 +211,10 @@ def test_the_moe_term_bounds_the_rows_the_triton_moe_keeps(tmp_path, monkeypatch
     token less 2 within [1, TERM_MARGIN] of the bound's difference. The kernels' launches are
     stubbed: on a GPU they allocate nothing beyond their launcher (Triton's interpreter would keep
     their arguments past the call), and this runs without Triton too."""
-    monkeypatch.setattr(kernels.moe_mxfp4, "_gate_up_kernel", _NoLaunch())
-    monkeypatch.setattr(kernels.moe_mxfp4, "_down_kernel", _NoLaunch())
-    monkeypatch.setattr(kernels.moe_mxfp4, "_dot_dtype", lambda dtype: None)
-    monkeypatch.setattr(kernels, "ops", lambda device: kernels.TRITON)
+    monkeypatch.setattr(moe_mxfp4, "_gate_up_kernel", _NoLaunch())
+    monkeypatch.setattr(moe_mxfp4, "_down_kernel", _NoLaunch())
+    monkeypatch.setattr(moe_mxfp4, "_dot_dtype", lambda dtype: None)
+    monkeypatch.setattr(ops, "for_device", lambda device: ops.TRITON)
     tokens, peaks, bounds = 32, {}, {}
     for top_k, shared in ((2, 0), (8, 0), (2, 1)):
         model = load_model(make_kimi_checkpoint(tmp_path / f"{top_k}_{shared}", moe_intermediate_size=512,
@@ -316,14 +313,14 @@ def test_the_plan_does_not_depend_on_what_the_planning_host_has(monkeypatch):
                 return find_spec(name, *args)
 
             monkeypatch.setattr(torch.cuda, "is_available", lambda _present=present: _present)
-            monkeypatch.setattr(kernels._triton, "triton", object() if present else None)
+            monkeypatch.setattr(_triton, "triton", object() if present else None)
             monkeypatch.setattr(importlib.util, "find_spec", probe)
-            kernels.kda.available.cache_clear()
+            kda.available.cache_clear()
             result = CliRunner().invoke(main, ["plan", str(JOBS / "kimi-k3-dflash2-h200.yaml")])
             assert result.exit_code == 0, result.output
             outputs.append(result.output)
     finally:
-        kernels.kda.available.cache_clear()
+        kda.available.cache_clear()
     assert outputs[0] == outputs[1]
     assert ("sized for a CUDA GPU with the gpu extra (flashinfer, Triton, fla-core), whatever this host has "
             "installed: device=cuda backend=flashinfer kernels=triton cuda_graphs=on") in outputs[0]

@@ -3,7 +3,7 @@ clean clone: the cache itself is not in git, its manifest is. A kernel whose sou
 the last build would miss on the device (Triton keys a kernel by its source and first line), so
 every file of every directory that defines a Triton kernel must hash as the manifest recorded it,
 and every module the manifest compiled kernels from must still be there. Rebuild with
-`python benchmarks/triton_cache.py build` (in benchmarks/device_twin.sh's venv: README, On a GPU)."""
+`python benchmarks/triton_cache.py build` (in benchmarks/device_twin.sh's venv: docs/gpu.md)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 
 from benchmarks.carried_cache import MANIFEST, ROOT, kernel_sources
 
-REBUILD = "rebuild the carried Triton cache: python benchmarks/triton_cache.py build (README, On a GPU)"
+REBUILD = "rebuild the carried Triton cache: python benchmarks/triton_cache.py build (docs/gpu.md)"
 
 
 def manifest() -> dict:
@@ -33,7 +33,7 @@ def test_the_kernel_sources_are_those_the_cache_was_built_from():
 
 def test_every_module_the_cache_compiled_from_is_importable():
     modules = {row["module"] for rows in manifest()["stages"].values() for row in rows}
-    assert "kernels.attn_res" in modules and any(m.startswith("fla.") for m in modules)
+    assert "dflash_batch.kernels.attn_res" in modules and any(m.startswith("fla.") for m in modules)
     gone = sorted(m for m in modules if not m.startswith("fla.") and importlib.util.find_spec(m) is None)
     assert not gone, f"the cache holds kernels of {gone}, which no longer import: {REBUILD}"
 
@@ -75,14 +75,14 @@ def test_a_kernel_missing_from_the_carried_cache_is_named(tmp_path, monkeypatch,
 def test_fla_is_pinned_to_the_manifests_configs(tmp_path, monkeypatch):
     """kernels/kda.py pins each of fla's autotuned chunked kernels to the one config the cache holds;
     a name fla lacks and an unreadable table are errors that name them."""
-    import kernels.kda
+    from dflash_batch.kernels import kda
     from fla.ops.kda import chunk_kda  # noqa: F401 (loads the kernels chunk_kda runs)
 
     pinned = manifest()["fla_configs"]
-    tuners = kernels.kda.autotuned_kernels()
+    tuners = kda.autotuned_kernels()
     saved = {name: tuners[name].configs for name in pinned}
     try:
-        kernels.kda.pin_autotune(pinned)
+        kda.pin_autotune(pinned)
         for name, c in pinned.items():
             (config,) = tuners[name].configs
             assert (config.kwargs, config.num_warps, config.num_stages) == (c["kwargs"], c["num_warps"], c["num_stages"])
@@ -90,10 +90,10 @@ def test_fla_is_pinned_to_the_manifests_configs(tmp_path, monkeypatch):
         for name, configs in saved.items():
             tuners[name].configs = configs
     with pytest.raises(ValueError, match="not_a_kernel"):
-        kernels.kda.pin_autotune({"not_a_kernel": next(iter(pinned.values()))})
+        kda.pin_autotune({"not_a_kernel": next(iter(pinned.values()))})
     (tmp_path / "bad.json").write_text("{}")
     monkeypatch.setenv("DFLASH_FLA_CONFIGS", str(tmp_path / "bad.json"))
-    kernels.kda._pin_from_env.cache_clear()
+    kda._pin_from_env.cache_clear()
     with pytest.raises(ValueError, match="bad.json"):
-        kernels.kda._pin_from_env()
-    kernels.kda._pin_from_env.cache_clear()
+        kda._pin_from_env()
+    kda._pin_from_env.cache_clear()

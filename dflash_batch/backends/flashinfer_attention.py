@@ -34,7 +34,7 @@ import torch
 from dflash_batch.backends.flashinfer_latent import edge_strip
 from dflash_batch.backends.meta import AttnMeta
 from dflash_batch.backends.torch_attention import merge_attention
-from kernels.scatter import scatter_triton
+from dflash_batch.kernels.scatter import scatter_triton
 
 RING = ".ring"  # AttnMeta.ring_view names a forward's ring view `<name>.ring`
 

@@ -17,13 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-import kernels
 from dflash_batch import parallel
-
-if not hasattr(kernels, "ops"):  # another distribution's top-level `kernels` was found before this repository's
-    raise ImportError(f"`import kernels` found {kernels.__file__}, not dflash-batch's kernels/ (Hugging Face's "
-                      "`kernels` package, which transformers >= 5.25 installs, takes the name): "
-                      "pip uninstall kernels, or use transformers < 5.25")
 from dflash_batch.backends.meta import AttentionBackend, Ring
 from dflash_batch.backends.torch_attention import TORCH
 from dflash_batch.engine.batch import DecodeBatch
@@ -36,9 +30,10 @@ from dflash_batch.engine.schedule import NOWHERE, Schedule
 from dflash_batch.engine.sampling import (add_bias_, choose_tokens, hold_stops_, log_probs, mask_disallowed_,
                                           penalize_)
 from dflash_batch.engine.sequence import Sequence
+from dflash_batch.kernels import ops
+from dflash_batch.kernels.accept import STOP
+from dflash_batch.kernels.sample import top1
 from dflash_batch.plan.buckets import Bucket
-from kernels.accept import STOP
-from kernels.sample import top1
 
 
 
@@ -81,7 +76,7 @@ class Engine:
         self.decode = decode or (lambda ids: "")
         self.page_size, self.budget = page_size, max_num_batched_tokens
         self.dtype, self.device = dtype, torch.device(device)
-        self.attention, self.ops = attention, kernels.ops(device)
+        self.attention, self.ops = attention, ops.for_device(device)
         # Batch sizes a round runs at (a batch is padded up to the next one); None: exact sizes.
         self.capture_sizes = sorted(capture_sizes) if capture_sizes else None
         if cuda_graphs and not capture_sizes:

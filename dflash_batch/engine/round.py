@@ -42,7 +42,7 @@ from dflash_batch.backends.meta import AttentionBackend, AttnMeta
 from dflash_batch.engine.batch import DecodeBatch
 from dflash_batch.engine.sampling import (add_bias_, choose_tokens, hold_stops_, log_probs, mask_disallowed_,
                                           penalize_)
-from kernels.sample import top1
+from dflash_batch.kernels.sample import top1
 
 ERROR = 3  # a finished code beside kernels.accept's STOP and LENGTH: the logits were not finite
 

@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import torch
 
+from dflash_batch.kernels.sample import sample_torch
 from dflash_batch.models.layers.dtypes import wide
-from kernels.sample import sample_torch
 
 
 def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,

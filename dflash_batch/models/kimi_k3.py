@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
-from kernels.moe_mxfp4 import routed_sum, situ
 from dflash_batch import parallel
 from dflash_batch.backends.meta import AttnMeta
+from dflash_batch.kernels import ops
+from dflash_batch.kernels.moe_mxfp4 import routed_sum, situ
 from dflash_batch.models.layers.dtypes import wide, wide_dtype
 from dflash_batch.models.layers.kda import kda_gate, kda_kernels, l2norm, short_conv
 from dflash_batch.models.layers.linear import (
@@ -117,7 +117,7 @@ def attn_res_mix(current: torch.Tensor, blocks: list[torch.Tensor], norm: RMSNor
     if not blocks:
         return current
     w = wide(norm.weight) * wide(proj.weight)[0]
-    return kernels.ops(current.device).attn_res([*blocks, current], w, norm.eps)
+    return ops.for_device(current.device).attn_res([*blocks, current], w, norm.eps)
 
 
 class GatedMLA(nn.Module):

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import torch
 
-from kernels.moe_mxfp4 import dequant_mxfp4 as mxfp4_values
+from dflash_batch.kernels.moe_mxfp4 import dequant_mxfp4 as mxfp4_values
 
 E8M0_NAN = 255
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-import kernels.kda
+from dflash_batch.kernels import kda as fla_kda
 from dflash_batch.models.layers.dtypes import wide
 
 
@@ -134,6 +134,6 @@ def kda_kernels(state: torch.Tensor) -> tuple[KDAFunction, KDAFunction]:
     """(recurrent, chunked) for a state pool like `state`: flash-linear-attention's Triton kernels
     (kernels/kda.py) on CUDA when fla is installed and the state is float32, the torch functions
     here otherwise (float64 models: the exactness tests)."""
-    if state.is_cuda and state.dtype == torch.float32 and kernels.kda.available():
-        return kernels.kda.recurrent, kernels.kda.chunked
+    if state.is_cuda and state.dtype == torch.float32 and fla_kda.available():
+        return fla_kda.recurrent, fla_kda.chunked
     return kda_recurrent, kda_chunked

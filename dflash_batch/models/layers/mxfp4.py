@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import kernels
 from dflash_batch import parallel
+from dflash_batch.kernels import ops
 from dflash_batch.models.layers.linear import per_rank
 
 GROUP = 32  # input columns per E8M0 scale
@@ -60,6 +60,6 @@ class MXFP4Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], ids [T, k] experts, weights [T, k] -> sum_j weights[:, j] * expert_ids[:, j](x)."""
-        moe = kernels.ops(x.device).moe_mxfp4
+        moe = ops.for_device(x.device).moe_mxfp4
         return moe(x, ids, weights, *self.w1.stacked(), *self.w3.stacked(), *self.w2.stacked(),
                    self.beta, self.linear_beta)

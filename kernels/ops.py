@@ -10,8 +10,11 @@
     kda.py      Kimi Delta Attention through flash-linear-attention's kernels (fla-core; its torch
                 twins are in dflash_batch/models/layers/kda.py, which picks them: `kda_kernels`)
 
-`ops(device)` picks the Triton versions on CUDA devices (when Triton is installed) and the torch
-references everywhere else; tests run the Triton versions on CPU under TRITON_INTERPRET=1.
+`for_device(device)` picks the Triton versions on CUDA devices (when Triton is installed) and
+the torch references everywhere else; tests run the Triton versions on CPU under
+TRITON_INTERPRET=1. The package is imported as `dflash_batch.kernels` (the folder stays at the
+repository's top level, linked from dflash_batch/), and it has no __init__.py: a top-level
+`import kernels` is never this folder's, so Hugging Face's `kernels` package keeps its name.
 """
 
 from __future__ import annotations
@@ -20,13 +23,13 @@ from types import SimpleNamespace
 
 import torch
 
-from kernels import _triton
-from kernels.accept import accept_torch, accept_triton
-from kernels.attn_res import attn_res_torch, attn_res_triton
-from kernels.moe_mxfp4 import moe_mxfp4_torch, moe_mxfp4_triton
-from kernels.prepare import prepare_torch, prepare_triton
-from kernels.sample import sample_torch, sample_triton
-from kernels.scatter import scatter_torch, scatter_triton
+from dflash_batch.kernels import _triton
+from dflash_batch.kernels.accept import accept_torch, accept_triton
+from dflash_batch.kernels.attn_res import attn_res_torch, attn_res_triton
+from dflash_batch.kernels.moe_mxfp4 import moe_mxfp4_torch, moe_mxfp4_triton
+from dflash_batch.kernels.prepare import prepare_torch, prepare_triton
+from dflash_batch.kernels.sample import sample_torch, sample_triton
+from dflash_batch.kernels.scatter import scatter_torch, scatter_triton
 
 TORCH = SimpleNamespace(name="torch", sample=sample_torch, accept=accept_torch, prepare=prepare_torch,
                         scatter=scatter_torch, attn_res=attn_res_torch, moe_mxfp4=moe_mxfp4_torch)
@@ -34,5 +37,5 @@ TRITON = SimpleNamespace(name="triton", sample=sample_triton, accept=accept_trit
                          scatter=scatter_triton, attn_res=attn_res_triton, moe_mxfp4=moe_mxfp4_triton)
 
 
-def ops(device: torch.device | str) -> SimpleNamespace:
+def for_device(device: torch.device | str) -> SimpleNamespace:
     return TRITON if torch.device(device).type == "cuda" and _triton.available() else TORCH
