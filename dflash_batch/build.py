@@ -6,8 +6,10 @@ reason), then the loaded, paired models. The engine itself knows nothing of jobs
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -32,12 +34,14 @@ class EngineSetup:
     compile: bool
     capture_sizes: list[int] | None
     kernels: str                    # "triton": kernels/' Triton kernels (MoE, AttnRes, ...); "torch": references
+    compile_if_it_pays: bool = False  # a bucket of few rounds runs uncompiled (engine.compile absent)
 
     def describe(self) -> str:
         graphs = f"on, sizes {self.capture_sizes}" if self.cuda_graphs else "off"
         padded = f", rounds padded to {self.capture_sizes}" if self.capture_sizes and not self.cuda_graphs else ""
+        compiled = ("where it pays" if self.compile_if_it_pays else "on") if self.compile else "off"
         return (f"engine: device={self.device} backend={self.backend} kernels={self.kernels} cuda_graphs={graphs} "
-                f"compile={'on' if self.compile else 'off'}{padded}")
+                f"compile={compiled}{padded}")
 
 
 @dataclass(frozen=True)
@@ -166,7 +170,18 @@ def resolve_engine(job: Job, cuda: bool | None = None, flashinfer: bool | None =
         if sizes[-1] < largest:
             raise JobError(f"engine.cudagraph_capture_sizes {sizes} must reach every bucket's max_num_seqs "
                            f"(the largest is {largest})")
-    return EngineSetup(device, backend, graphs, compiled, sizes, kernels)
+    return EngineSetup(device, backend, graphs, compiled, sizes, kernels, compiled and e.compile is None)
+
+
+def use_compile_cache(job: Job) -> Path:
+    """Point torch.compile's and Triton's caches at the job's cache directory (engine.cache_dir,
+    else $DFLASH_CACHE_DIR, else OUTPUT_DIR/.compile_cache) unless the environment names them:
+    a resume, a rerun and an array's other tasks then load what the first process compiled.
+    Both caches write each entry whole and rename it, so concurrent tasks share them safely."""
+    root = Path(job.engine.cache_dir or os.environ.get("DFLASH_CACHE_DIR") or Path(job.output.dir) / ".compile_cache")
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor"))
+    os.environ.setdefault("TRITON_CACHE_DIR", str(root / "triton"))
+    return root
 
 
 def _load(path: str, dtype: torch.dtype, device: str, role: str):
@@ -189,6 +204,8 @@ def _attention(setup: EngineSetup):
 def build_engine(job: Job, tokenizer: Tokenizer, setup: EngineSetup | None = None) -> Engine:
     """Load the job's target (and drafter), check they fit, and build the engine."""
     setup = setup or resolve_engine(job)
+    if setup.compile or setup.device == "cuda":
+        use_compile_cache(job)
     dtype = DTYPES[job.model.dtype]
     target = _load(job.model.target, dtype, setup.device, "target")
     if tokenizer.vocab_size > target.vocab_size:
@@ -209,6 +226,7 @@ def build_engine(job: Job, tokenizer: Tokenizer, setup: EngineSetup | None = Non
     return Engine(target, drafter, tokenizer.decode, page_size=job.engine.page_size,
                   max_num_batched_tokens=job.engine.max_num_batched_tokens, dtype=dtype, device=setup.device,
                   attention=_attention(setup), capture_sizes=setup.capture_sizes, cuda_graphs=setup.cuda_graphs,
-                  compile=setup.compile, share_prompts=job.engine.share_prompts, log=say,
+                  compile=setup.compile, compile_if_it_pays=setup.compile_if_it_pays,
+                  share_prompts=job.engine.share_prompts, log=say,
                   auto_speculation=(auto.min_acc_len, auto.rounds))
 

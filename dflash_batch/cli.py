@@ -119,17 +119,36 @@ def _run_shard(job: Job, shard: Shard, progress: bool, job_file: str,
         sys.exit(EXIT_TOO_MANY_ERRORS)
 
 
-def cpus_given() -> int:
+def cpus_given(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
     """CPUs this task may use, all of its ranks together: OMP_NUM_THREADS when set, else what
     Slurm allocated (--cpus-per-task, else the job's CPUs on this node), else the CPUs this
-    process may run on (an affinity mask, cgroups' cpuset)."""
+    process may run on (an affinity mask, cgroups' cpuset), at most its CPU quota (a container's
+    CPU limit: Kubernetes' resources.limits.cpu): a thread per visible core beyond the quota
+    makes every small op wait for threads the quota has parked."""
     for var in ("OMP_NUM_THREADS", "SLURM_CPUS_PER_TASK", "SLURM_CPUS_ON_NODE"):
         if os.environ.get(var, "").isdigit() and int(os.environ[var]) > 0:
             return int(os.environ[var])
     try:
-        return len(os.sched_getaffinity(0))
+        visible = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        visible = os.cpu_count() or 1
+    return min(visible, _cpu_quota(cgroup) or visible)
+
+
+def _cpu_quota(cgroup: Path) -> int | None:
+    """The CPU quota of this container's cgroup (v2 cpu.max, v1 cpu.cfs_quota_us), rounded up;
+    None when it has none or the files are not there."""
+    try:
+        if (cgroup / "cpu.max").exists():
+            quota, period = (cgroup / "cpu.max").read_text().split()[:2]
+        else:
+            quota = (cgroup / "cpu" / "cpu.cfs_quota_us").read_text().strip()
+            period = (cgroup / "cpu" / "cpu.cfs_period_us").read_text().strip()
+        if quota in ("max", "-1"):
+            return None
+        return max(1, -(-int(quota) // int(period)))
+    except (OSError, ValueError):
+        return None
 
 
 def _set_threads(ranks: int) -> None:

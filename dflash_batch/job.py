@@ -153,7 +153,14 @@ class EngineSpec(_Strict):
         "CUDA device, a Qwen3 target, one rank); true where they cannot is refused.")
     compile: bool | None = Field(
         None, description="torch.compile the decode round (the CPU path). Absent: on for CPU runs of a "
-        "Qwen3 target on one rank; true where it cannot run is refused.")
+        "Qwen3 target on one rank, for buckets whose requests need enough rounds to pay for it (the log "
+        "says when a bucket runs uncompiled, and why); true: always; true where it cannot run is refused.")
+    cache_dir: str | None = Field(
+        None, description="Where compiled code is kept for the next process (torch.compile's inductor cache "
+        "on the CPU, Triton's kernels on a GPU): a resume, a rerun and an array's other tasks load it "
+        "instead of compiling again (a shared filesystem for Slurm arrays). Absent: $DFLASH_CACHE_DIR, "
+        "else OUTPUT_DIR/.compile_cache. TORCHINDUCTOR_CACHE_DIR or TRITON_CACHE_DIR set in the "
+        "environment win.")
     cudagraph_capture_sizes: list[Annotated[int, Field(ge=1)]] | None = Field(
         None, description="Batch sizes captured as CUDA graphs (a round is padded to the next one); "
         "absent: powers of two up to the largest max_num_seqs, and it. Only with CUDA graphs on.")
@@ -391,7 +398,7 @@ class Job(_Strict):
 # empty file through: it adds no row).
 TUNING: dict[str, set[str]] = {
     "engine": {"max_num_seqs", "max_num_batched_tokens", "share_prompts", "backend", "cuda_graphs", "compile",
-               "cudagraph_capture_sizes"},
+               "cudagraph_capture_sizes", "cache_dir"},
     "input": {"workers", "allow_empty"},
     "output": {"dir", "rows_per_part", "flush_seconds", "max_error_fraction"},  # the last: the exit code only
 }
@@ -454,9 +461,10 @@ def parse_job(doc: Any, source: str = "<job>", base_dir: Path | None = None) -> 
     model = job.model.model_copy(update={k: _resolve(base_dir, getattr(job.model, k))
                                          for k in ("target", "drafter", "tokenizer", "chat_template")})
     out = job.output.model_copy(update={"dir": _resolve(base_dir, job.output.dir)})
+    engine = job.engine.model_copy(update={"cache_dir": _resolve(base_dir, job.engine.cache_dir)})
     retry = job.retry and job.retry.model_copy(update={k: _resolve(base_dir, getattr(job.retry, k))
                                                        for k in ("parent", "samples")})
-    return job.model_copy(update={"input": inp, "model": model, "output": out, "retry": retry})
+    return job.model_copy(update={"input": inp, "model": model, "output": out, "retry": retry, "engine": engine})
 
 
 def read_job_file(path: Path) -> Any:

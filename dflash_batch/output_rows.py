@@ -152,7 +152,7 @@ class RowDecoder:
         tokens, rounds, accepted, t0 = 0, 0, 0, time.monotonic()
         shown = t0
         try:
-            for c in self.engine.generate(iter(requests), bucket):
+            for c in self.engine.generate(requests, bucket):  # a list: the engine may count it
                 row, seed = by_key.pop(c.key)
                 self._commit_sample(row, c.key[1], self._ok_row(row, seed, c) if c.error_type is None
                                     else self._failed_row(row, seed, c))

@@ -11,7 +11,7 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from dflash_batch.cli import main
+from dflash_batch.cli import cpus_given, main
 from dflash_batch.plan.shards import Shard
 from dflash_batch.runner import run_job
 from tests.fake_engine import fake_factory
@@ -68,6 +68,7 @@ def test_dry_run_prints_the_first_rows_and_runs_nothing(tmp_path, model_dir):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_threads_follow_what_slurm_gives_the_task():
     """Two tasks on one node each get their --cpus-per-task, not a thread per core."""
     code = ("import os, torch; from dflash_batch.cli import _set_threads; _set_threads(1); "
@@ -83,6 +84,22 @@ def test_threads_follow_what_slurm_gives_the_task():
     shared = subprocess.run([sys.executable, "-c", ranks], capture_output=True, text=True, check=True,
                             env={**env, "SLURM_CPUS_ON_NODE": "4"})
     assert shared.stdout.strip() == "2"
+
+
+@pytest.mark.parametrize("files, want", [
+    ({"cpu.max": "150000 100000\n"}, 2), ({"cpu.max": "max 100000\n"}, None),
+    ({"cpu/cpu.cfs_quota_us": "100000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 1),
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None), ({}, None)],
+    ids=["v2_quota", "v2_none", "v1_quota", "v1_none", "no_cgroup"])
+def test_threads_stay_within_a_containers_cpu_quota(tmp_path, monkeypatch, files, want):
+    """A pod limited to 1.5 CPUs on a 64-core node sees 64 cores: it runs 2 threads, not 64."""
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    for var in ("OMP_NUM_THREADS", "SLURM_CPUS_PER_TASK", "SLURM_CPUS_ON_NODE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
+    assert cpus_given(tmp_path) == (want or 64)
 
 
 @pytest.mark.parametrize("launcher, tp", [("torchrun", 1), ("srun", 4)])

@@ -22,6 +22,7 @@ from dflash_batch.backends.meta import AttentionBackend, Ring
 from dflash_batch.backends.torch_attention import TORCH
 from dflash_batch.engine.batch import DecodeBatch
 from dflash_batch.engine.cache import SeqRows, build_meta, row_pages, slots
+from dflash_batch.engine.compile_policy import CompileWhenItPays
 from dflash_batch.engine.graphs import RoundGraphs
 from dflash_batch.engine.queue import Queue
 from dflash_batch.engine.request import Completion, Logprobs, Request
@@ -66,9 +67,11 @@ class Engine:
                  max_num_batched_tokens: int = 8192, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", attention: AttentionBackend = TORCH,
                  capture_sizes: list[int] | None = None, cuda_graphs: bool = False, compile: bool = False,
-                 share_prompts: bool = True, log: Callable[[str], None] | None = None,
-                 auto_speculation: tuple[float, int] = (1.5, 1024)):
-        """`auto_speculation`: (min_acc_len, rounds) of buckets with speculation "auto" (schedule.py)."""
+                 compile_if_it_pays: bool = False, share_prompts: bool = True,
+                 log: Callable[[str], None] | None = None, auto_speculation: tuple[float, int] = (1.5, 1024)):
+        """`compile_if_it_pays`: with `compile`, a bucket whose requests fit few rounds runs them
+        uncompiled (compile_policy.py); `auto_speculation`: (min_acc_len, rounds) of buckets with
+        speculation "auto" (schedule.py)."""
         self.target, self.drafter = target, drafter
         self.vocab_size: int = target.vocab_size
         # Hybrid targets (KDA) keep per-sequence recurrent state that verify stages and commit picks.
@@ -82,6 +85,7 @@ class Engine:
         if cuda_graphs and not capture_sizes:
             raise ValueError("cuda_graphs needs capture_sizes")
         self.cuda_graphs, self.compile, self.share_prompts = cuda_graphs, compile, share_prompts
+        self.compile_if_it_pays = compile_if_it_pays
         self.prefill_tokens = 0  # prompt tokens the target has run (a shared prompt counts once)
         self.log = log or (lambda line: None)
         self.rounds: dict[int, Round] = {}  # by block size: compiled code is kept across buckets
@@ -109,6 +113,13 @@ class Engine:
         # by one-row staging) must go when the state does.
         del kept
         batch, step, graphs = self.bucket_state[2:]
+        pays = None  # times the first rounds where compiling may not pay (compile_policy.py)
+        if self.compile and self.compile_if_it_pays and not step.compiled:
+            step.eager, pays = True, CompileWhenItPays(requests)
+            if bucket.speculation == "auto" and block > 1:
+                self.log(f"bucket {bucket.name}: rounds run uncompiled (speculation: auto times them so)")
+                pays = None
+        self._compile_if(not step.eager, models)
         caches = slot_caches(models, batch)
         self.ring = batch.ring
         self.ring_caches = [] if self.ring is None else [
@@ -151,9 +162,14 @@ class Engine:
                         if schedule is not None and schedule.pinned is None:
                             plan = parallel.agreed(plan)  # each rank timed its own rounds
                         k = max(plan, 0)
-                        started = time.perf_counter()
+                        started, emitted = time.perf_counter(), sum(len(s.tokens) for s in involved)
                         accepted = self._round(batch, q.running, step, graphs, block, k + 1)
                         finished = [s for s in involved if s.finish_reason]
+                        if pays is not None:
+                            pays.record(time.perf_counter() - started, sum(len(s.tokens) for s in involved) - emitted)
+                            if (verdict := pays.verdict()) is not None:
+                                self._decided(bucket, step, models, *verdict)
+                                pays = None
                         if schedule is not None:
                             # A round cut by its sequence's end measures no acceptance.
                             schedule.record(size, k, time.perf_counter() - started,
@@ -170,6 +186,18 @@ class Engine:
                     batch, step, graphs = one_row
                     block, schedule = 1, None
                     caches = slot_caches([self.target], batch)
+
+    def _decided(self, bucket: Bucket, step: Round, models: list[torch.nn.Module], compile: bool, why: str) -> None:
+        self.log(f"bucket {bucket.name}: {'compiling the round' if compile else 'rounds run uncompiled'}: {why}")
+        self._compile_if(compile, models)
+        step.eager = not compile
+
+    @staticmethod
+    def _compile_if(compile: bool, models: list[torch.nn.Module]) -> None:
+        if compile:
+            for cache in runtime_tensors(models):
+                # Cache lengths change with the bucket: symbolic, or each bucket compiles again.
+                torch._dynamo.mark_dynamic(cache, 0)
 
     def _recover(self, error: Exception, involved: list[Sequence], q: Queue, batch: DecodeBatch,
                  bucket: Bucket) -> list[Sequence]:
@@ -236,10 +264,6 @@ class Engine:
             ring = Ring(ring_pages) if ring_pages is not None and ring_pages < pages_per_row else None
             cache_bytes += self.drafter.allocate_cache(num_slots, self.dtype, self.device,
                                                        ring.slots(seqs, self.page_size) if ring else None)
-        if self.compile:
-            for cache in runtime_tensors(models):
-                # Cache lengths change with the bucket: symbolic, or each bucket compiles again.
-                torch._dynamo.mark_dynamic(cache, 0)
         rows = self._padded(seqs)
         if self.recurrent:  # a state slot per row; slot `seqs` is the padding rows' scratch
             self.target.allocate_state(seqs + 1, rows, block, self.device)
@@ -328,6 +352,8 @@ class Engine:
                               self.vocab_size, batch)
             if 1 not in self.rounds:
                 self.rounds[1] = Round(self.target, None, 1, self.page_size, self.ops, self.attention, self.compile)
+            if not self.rounds[1].compiled:  # as the bucket's rounds ran
+                self.rounds[1].eager = self.bucket_state[3].eager
             # Captured while every row of the new batch is padding (warm-up rounds run for real).
             graphs = RoundGraphs(self.rounds[1], one, self.capture_sizes, pages_per_row * self.page_size) \
                 if self.cuda_graphs else None

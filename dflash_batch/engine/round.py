@@ -33,6 +33,7 @@ the sample of its prefix's law at coin(seed, x), so the output equals target-onl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import torch
@@ -51,7 +52,8 @@ class Round:
     """`compile`: run the round through torch.compile (inductor fuses it into C++ loops on the
     CPU, ~1.7x there); batch sizes and key lengths are symbolic, so one compilation serves every
     round of every bucket with this block size (a size of 1 would be compiled again: the engine
-    pads to 2)."""
+    pads to 2). `eager`: run this bucket's rounds uncompiled all the same (where compiling would
+    not pay: engine/compile_policy.py)."""
 
     def __init__(self, target, drafter, block: int, page_size: int, ops: SimpleNamespace,
                  attention: AttentionBackend, compile: bool = False):
@@ -59,13 +61,23 @@ class Round:
         self.page_size, self.ops, self.attention = page_size, ops, attention
         self.recurrent = hasattr(target, "commit")
         self.mask_id = self.drafter.mask_token_id if self.drafter is not None else 0
-        self.step = torch.compile(self.run, dynamic=True) if compile else self.run
+        # Made on the first compiled call: a process that runs every bucket eagerly never imports
+        # torch's compiler (a second at start-up).
+        self.step: Callable[..., None] | None = None
+        self.eager = not compile
+        self.compiled = False  # a compiled round has run: its cost is paid
 
     def __call__(self, batch: DecodeBatch, n: int, greedy: bool, max_kv: int, width: int | None = None) -> None:
         """Decode one round for rows 0..n-1; the result lands in batch.out[:n]. `greedy`: every
         row has temperature 0 (skips the sampler); `max_kv`: a host-side bound on key lengths;
         `width`: rows verified a sequence (anchor + drafts), default the block."""
+        if self.eager:
+            self.run(batch, n, greedy, max_kv, width or self.block)
+            return
+        if self.step is None:
+            self.step = torch.compile(self.run, dynamic=True)
         self.step(batch, n, greedy, max_kv, width or self.block)
+        self.compiled = True
 
     def run(self, batch: DecodeBatch, n: int, greedy: bool, max_kv: int, width: int) -> None:
         self.verify(batch, n, greedy, self.draft(batch, n, max_kv, width))
