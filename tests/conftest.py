@@ -19,8 +19,11 @@ from dflash_batch.testing.tokenizer import make_tokenizer_dir
 # The tiny models here gain nothing from intra-op threads, and on a 2-core machine that is
 # also running other processes a second thread makes every small op wait for it: one thread,
 # unless OMP_NUM_THREADS asks otherwise (CI runs the numerics tests with 2 as well: results must
-# hold whatever the reduction order).
-torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+# hold whatever the reduction order). The commands tests start inherit it: a CLI run left to pick
+# a thread per core spin-waits for the one the other worker holds (the demo: 10 s alone, 96 s
+# beside a busy worker with two threads, 28 s with one).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session")

@@ -38,6 +38,7 @@ def pairs(tmp_path_factory):
             "kimi": kimi_pair.load_pair(*kimi_pair.make_kimi_pair(d / "kimi"), F64)}
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("family", ["qwen3", "kimi"])
 def test_an_auto_bucket_turns_speculation_off_and_decodes_as_target_only(pairs, family):
@@ -77,6 +78,7 @@ def test_an_auto_bucket_turns_speculation_off_and_decodes_as_target_only(pairs, 
     assert all(c.spec is not None for c in steady)
 
 
+@pytest.mark.slow
 def test_demo_long_prompts_turn_speculation_off_and_the_report_says_so(tmp_path):
     """jobs/demo-auto.yaml: the demo pair's few-shot prompts (the 256-1024 bucket) accept little;
     with that bucket on auto (4 at a time) and a threshold above its acceptance, it switches off
@@ -175,6 +177,7 @@ def test_the_switch_captures_before_sequences_move_in(pairs, monkeypatch):
     assert engine.schedules["0-256"].off
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("family", ["qwen3", "kimi"])
 @pytest.mark.parametrize("count", [1, 8])

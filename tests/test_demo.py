@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 EXPECTED = ROOT / "jobs/demo/expected.json"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not EXPECTED.exists(), reason="the demo pair has not been trained yet")
 def test_demo_job_reproduces_the_readme_acceptance(tmp_path):
     expected = json.loads(EXPECTED.read_text())
@@ -29,6 +30,7 @@ def test_demo_job_reproduces_the_readme_acceptance(tmp_path):
     assert len(result["buckets"]) >= 2  # the long prompts use the second bucket
 
 
+@pytest.mark.slow
 def test_a_pinned_draft_count_reports_acceptance_of_the_drafts_verified(tmp_path):
     """The demo's first 12 prompts with `speculation: {drafts: 2}`: each row's proposal acceptance
     is its accepted drafts over the drafts its rounds verified (2 a round; the last round's up to

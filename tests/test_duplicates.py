@@ -9,6 +9,7 @@ from collections import Counter
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from click.testing import CliRunner
 
 from dflash_batch.cli import main
@@ -83,6 +84,7 @@ class Killed(BaseException):
     """The process dies here: nothing after this part is committed (as under SIGKILL)."""
 
 
+@pytest.mark.slow
 def test_a_run_killed_after_any_part_resumes_to_the_rows_of_one_uninterrupted_run(tmp_path, model_dir,
                                                                                  monkeypatch):
     """Ids held by several rows (one with a bad prompt among them, and rows asking for more samples

@@ -49,6 +49,7 @@ def _run(job_file: Path) -> subprocess.CompletedProcess:
     return out
 
 
+@pytest.mark.slow
 def test_run_writes_rows_whose_counters_add_up(tmp_path, pair):
     out = _run(_job(tmp_path, pair, "out"))
     assert "taps: layers=(1, 2)" in out.stderr
@@ -71,6 +72,7 @@ def test_run_writes_rows_whose_counters_add_up(tmp_path, pair):
     assert "acc_len" in out.stdout  # the summary table
 
 
+@pytest.mark.slow
 def test_load_dataset_reads_an_output_directory_as_is(tmp_path, pair):
     """Hugging Face `datasets` loads every committed row through the directory's dataset card,
     and none of its stats or run files."""
@@ -84,6 +86,7 @@ def test_load_dataset_reads_an_output_directory_as_is(tmp_path, pair):
     assert loaded["train"].column_names == list(rows[0])
 
 
+@pytest.mark.slow
 def test_export_writes_a_dataset_that_reloads_with_its_card(tmp_path, pair):
     """`export` with an SFT messages column (the prompt passed through): split files by the
     Hub's convention, every row once, the card's summary, and each row's messages."""
@@ -111,6 +114,7 @@ def test_export_writes_a_dataset_that_reloads_with_its_card(tmp_path, pair):
     assert again.returncode != 0 and "is not empty" in again.stderr
 
 
+@pytest.mark.slow
 def test_tensor_parallel_2_run_equals_tp1(tmp_path, pair):
     _run(_job(tmp_path, pair, "tp1"))
     _run(_job(tmp_path, pair, "tp2", model={"tensor_parallel_size": 2}))
@@ -123,6 +127,7 @@ def test_tensor_parallel_2_run_equals_tp1(tmp_path, pair):
     assert rows("tp1") == rows("tp2")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stop, code", [("SIGTERM", 143), ("SIGINT", 130)])
 def test_sigterm_stops_every_tp_rank_and_resume_completes(tmp_path, pair, stop, code):
     """Slurm signals the launcher only (and `kill -INT` does): it must pass the signal on, the

@@ -102,6 +102,7 @@ def test_qwen3_graph_path_equals_eager(qwen3, monkeypatch, sampling):
 CYCLE = [7, 2, 0, 5, 1, 3, 6, 4]  # k of round i
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling", [[{}], [SAMPLED, {}]], ids=["greedy", "sampled"])
 def test_every_verify_width_replays_its_own_graph(qwen3, monkeypatch, sampling):
     """An auto bucket whose k changes every round (engine/schedule.py): each width's graph ==

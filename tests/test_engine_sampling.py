@@ -114,6 +114,7 @@ def sample_tuples(engine: Engine, speculation: bool, drafts: int | None = None) 
     return counts, per_round
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("speculation, drafts", [(True, None), (True, 0), (True, 1), (False, None)],
                          ids=["spec", "spec_k0", "spec_k1", "target_only"])
 def test_sampled_tokens_follow_target_distribution(models, speculation, drafts):

@@ -10,9 +10,9 @@ from tests import engine_tp_worker
 from tests.engine_util import make_drafter, make_target, random_prompts
 from tests.test_tp import free_port
 
-# slow: each rank runs one torch thread whatever OMP_NUM_THREADS says, so CI's two-thread rerun of
-# the numerics would only repeat these.
-pytestmark = [pytest.mark.numerics, pytest.mark.slow]
+# no_rerun: each rank runs one torch thread whatever OMP_NUM_THREADS says, so CI's two-thread rerun
+# of the numerics would only repeat these.
+pytestmark = [pytest.mark.numerics, pytest.mark.slow, pytest.mark.no_rerun]
 
 RUNS = {
     "greedy": dict(max_new_tokens=24),

@@ -93,6 +93,7 @@ def kimi(tmp_path_factory):
     return kimi_pair.load_pair(*kimi_pair.make_kimi_pair(tmp_path_factory.mktemp("fi_kimi"), window=10), F64)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rings, graphs", [(False, False), (True, True)], ids=["whole-eager", "rings-replayed"])
 def test_kimi_pair_on_flashinfer_equals_torch(backend, kimi, monkeypatch, rings, graphs):
     sampling = dict(temperature=1.0, top_p=0.9)

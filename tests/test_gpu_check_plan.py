@@ -42,6 +42,7 @@ def pytest_args(command: str) -> list[str]:
     return args
 
 
+@pytest.mark.slow
 def test_the_first_list_fits_and_selects_every_gpu_test():
     plan = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--plan"], cwd=ROOT, capture_output=True, text=True,
                           env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "PLAN_COUNTS": "0"})

@@ -115,6 +115,7 @@ def test_config_hash_ignores_tuning_but_not_sampling():
     assert parse_job(with_("model.drafter", "d")).output_hash() != base.output_hash()
 
 
+@pytest.mark.slow
 def test_validate_command(tmp_path):
     (tmp_path / "p.jsonl").write_text('{"prompt": "hi"}\n')
     (tmp_path / "models" / "target").mkdir(parents=True)
@@ -140,6 +141,7 @@ def test_validate_command(tmp_path):
     assert missing.returncode == 2 and "prompts.jsonl" in missing.stderr and "does not exist" in missing.stderr
 
 
+@pytest.mark.slow
 def test_production_job_files_validate():
     for name in ("kimi-k3-dflash2.yaml", "kimi-k3-dflash2-128k.yaml"):
         out = subprocess.run([sys.executable, "-m", "dflash_batch.cli", "validate", "--no-inputs",

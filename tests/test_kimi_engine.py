@@ -114,10 +114,11 @@ def test_state_slots_start_clean_when_reused(pairs):
 
 
 # -- tensor parallel -------------------------------------------------------------------------------
-# slow: each rank runs one torch thread whatever OMP_NUM_THREADS says, so CI's two-thread rerun of
-# the numerics would only repeat this.
+# no_rerun: each rank runs one torch thread whatever OMP_NUM_THREADS says, so CI's two-thread rerun
+# of the numerics would only repeat this.
 @pytest.mark.numerics
 @pytest.mark.slow
+@pytest.mark.no_rerun
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 def test_tp2_equals_tp1(tmp_path, graphs):
     # Each rank holds 2 of 4 KDA heads, 2 of 4 MLA heads (target and drafter), half of every

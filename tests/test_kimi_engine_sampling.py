@@ -60,6 +60,7 @@ def exact_joint(target_dir) -> dict[tuple[int, ...], float]:
     return joint((), 1.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("speculation", [True, False], ids=["spec", "target_only"])
 def test_sampled_tokens_follow_target_distribution(pair, joint, speculation):
     # The test means something only if the law is spread out: several likely outcomes per step.

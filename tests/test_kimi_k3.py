@@ -106,6 +106,7 @@ def kda_path(request, monkeypatch) -> torch.dtype:
     return dtype
 
 
+@pytest.mark.slow
 def test_verify_then_commit_equals_token_by_token(checkpoint, kda_path):
     """For every accepted length n: verify 8 rows from the committed state, commit n, then the
     next forward sees exactly the state that feeding the n tokens one at a time leaves."""
@@ -153,6 +154,7 @@ def staged_states(layer, x: torch.Tensor, rows: torch.Tensor, slot: int) -> list
     return out
 
 
+@pytest.mark.slow
 def test_replay_commit_equals_the_staged_states(checkpoint, kda_path):
     """Two sequences verify 8 rows at once; for every pair of accepted lengths the replayed
     commit leaves each KDA layer's state and conv window the staged commit kept for that row:

@@ -56,6 +56,7 @@ def load(pairs, family: str):
     return load_pair(*pairs[family], F64)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3", "kimi"])
 def test_rings_draft_what_whole_caches_draft(pairs, family):
     """Prompts up to 40x the window, prefilled in chunks 8x the ring; four rows reused by nine
@@ -116,7 +117,7 @@ def test_rings_draft_what_whole_caches_draft(pairs, family):
     assert sum(sum(rounds) for _, rounds in outputs["greedy"]) > 0, "no draft accepted"
 
 
-@pytest.mark.slow  # minutes: .ci/run's two-thread rerun of the numerics leaves it out
+@pytest.mark.slow  # minutes
 def test_chunked_prefill_at_32k_equals_one_shot(pairs):
     """A 32k-token prompt through the tiny Kimi-K3 and its drafter's context: in chunks of 8192
     tokens (the default max_num_batched_tokens) == in one forward. Logits and taps of every row,

@@ -105,6 +105,7 @@ def tp1(pair, tmp_path_factory) -> Path:
     return d / "out"
 
 
+@pytest.mark.slow
 def test_tp4_across_two_nodes_equals_tp1(pair, tp1, tmp_path):
     job = kimi_job(tmp_path, pair, "out", tp=4)
     port = free_port()
@@ -120,6 +121,7 @@ def test_tp4_across_two_nodes_equals_tp1(pair, tp1, tmp_path):
     assert "rows committed this run" in logs[0] and "rows committed this run" not in logs[1]  # rank 0 reports
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prompt, code", [("a prompt", 0), (None, 3)])  # every row an error row: exit 3
 def test_every_rank_leaves_its_group_before_its_interpreter_exits(model_dir, tmp_path, prompt, code):
     """A rank whose gloo group is still up when its interpreter exits can die by SIGABRT after a
@@ -137,6 +139,7 @@ def test_every_rank_leaves_its_group_before_its_interpreter_exits(model_dir, tmp
     assert done.stdout.count("group up at exit: False") == 2, done.stdout[-3000:]  # each of the two ranks
 
 
+@pytest.mark.slow
 def test_a_rank_killed_on_one_node_stops_both_and_the_survivors_name_themselves(pair, tmp_path):
     job = kimi_job(tmp_path, pair, "out", rows=60, tp=4, max_new_tokens=48, rows_per_part=1)
     port = free_port()

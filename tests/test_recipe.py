@@ -47,6 +47,7 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
+@pytest.mark.slow
 def test_losses_go_down(run):
     _, log = run
     target = [s["loss"] for s in log["target"]["steps"]]

@@ -12,6 +12,7 @@ from collections import Counter
 from pathlib import Path
 
 import orjson
+import pytest
 import yaml
 
 from dflash_batch.io.progress import read_progress
@@ -46,6 +47,7 @@ def _job(tmp_path: Path, model_dir: Path, out: str) -> Path:
     return tmp_path / f"{out}.yaml"
 
 
+@pytest.mark.slow
 def test_sigkill_five_times_then_resume_equals_uninterrupted_run(tmp_path, model_dir):
     reference = _job(tmp_path, model_dir, "ref")
     from dflash_batch.job import load_job
@@ -113,6 +115,7 @@ def test_kubernetes_pod_eviction_commits_exits_143_and_the_restarted_pod_finishe
     assert orjson.loads((tmp_path / "pod" / "run.json").read_bytes())["num_shards"] == 2
 
 
+@pytest.mark.slow
 def test_sigterm_commits_what_finished_at_once_even_under_contention(tmp_path, model_dir):
     """Rows finish every 3 s and commit only every 1000 rows; the CPUs are busy with other work.
     SIGTERM arrives while a row is in progress: the run exits 143 within two seconds (not at the

@@ -105,6 +105,7 @@ def test_a_round_verifying_fewer_drafts(tmp_path, monkeypatch, gpu_paths, drafts
     assert (True, False, False, False) in captured_rounds(monkeypatch, target, drafter, 8, {}, drafts=drafts)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling", SAMPLING)
 def test_kimi_round(tmp_path, monkeypatch, gpu_paths, sampling):
     fake_flashinfer.install(monkeypatch)

@@ -129,6 +129,7 @@ def test_too_many_errors():
 
 # -- 2. Ctrl-C is SIGTERM ------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_ctrl_c_commits_finished_rows_exits_130_and_a_resume_recomputes_none(tmp_path, model_dir):
     job_file = _job(tmp_path, model_dir)
     first, again = tmp_path / "first.log", tmp_path / "again.log"
@@ -231,6 +232,7 @@ def _status(out: Path) -> tuple[dict[str, list[str]], str]:
     return table, text
 
 
+@pytest.mark.slow
 def test_status_sees_a_running_shard_and_a_killed_one(tmp_path, model_dir):
     job_file = _job(tmp_path, model_dir)
     out = tmp_path / "out"

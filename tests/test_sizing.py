@@ -162,6 +162,7 @@ def _requests(bucket, n: int, vocab: int, temperature: float) -> list[Request]:
                     SamplingParams(max_new_tokens=8, temperature=temperature, seed=i)) for i in range(n)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3", "kimi"])
 def test_activations_bound_a_real_run_and_its_rounds_within_a_margin(jobs, family, tmp_path):
     """Greedy, then sampled: the peak of a run of the bucket (prefill chunks, then rounds) and the
@@ -231,6 +232,7 @@ def test_the_moe_term_bounds_the_rows_the_triton_moe_keeps(tmp_path, monkeypatch
     assert rows <= term <= TERM_MARGIN * rows, (rows, term)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3", "kimi"])
 def test_an_auto_bucket_holds_the_one_row_batch_it_switches_to(jobs, family, tmp_path):
     """A bucket with speculation: auto that turns it off builds the decoding state of one-row
@@ -265,6 +267,7 @@ def test_an_auto_bucket_holds_the_one_row_batch_it_switches_to(jobs, family, tmp
     assert held == need.caches + need.batch - shrunk
 
 
+@pytest.mark.slow
 def test_a_gpu_of_exactly_a_bucket_s_total_fits_its_max_num_seqs_and_not_one_more(jobs, tmp_path):
     job = jobs["kimi"]
     plan = plan_job(job, tmp_path, 80 * GB, setup=CPU)

@@ -41,6 +41,7 @@ def target_only(target, prompts, **params):
     return run(Engine(target, None, dtype=F64), prompts, bucket(max_num_seqs=3, max_tokens=256), **params)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("family", ["qwen3", "kimi"])
 def test_greedy_equals_target_only_at_every_k(pairs, family):
@@ -58,6 +59,7 @@ def test_greedy_equals_target_only_at_every_k(pairs, family):
 CYCLE = [7, 2, 0, 5, 1, 3, 6, 4]  # k of round i: CYCLE[i % 8]
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("family", ["qwen3", "kimi"])
 def test_k_changing_from_round_to_round_changes_no_token(pairs, family, monkeypatch):

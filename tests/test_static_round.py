@@ -75,7 +75,8 @@ def test_static_round_equals_eager_round_kimi(kimi, sampling):
     assert any(n for _, rounds, _, _ in want.values() for n in rounds), "no draft accepted"
 
 
-@pytest.mark.slow  # minutes of torch.compile: .ci/run's two-thread rerun of the numerics leaves it out
+@pytest.mark.slow
+@pytest.mark.no_rerun  # minutes of torch.compile
 def test_compiled_round_equals_eager_round(qwen3):
     """engine.compile (the CPU path): torch.compile of the round gives the eager round's tokens and
     rounds, greedy and sampled, speculative and target-only, across buckets of different lengths
