@@ -13,6 +13,7 @@ usage: python benchmarks/startup.py [--repeats 1]
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 import sys
@@ -66,7 +67,8 @@ def run(job: Path, out: Path, cache: Path, compile: bool | None, eager: bool = F
     command = [sys.executable, "-m", "dflash_batch.cli", "run", str(variant), "--output-dir", str(out), "--no-progress",
                *(["--eager"] if eager else [])]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(command, cwd=job.parent, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's code, whatever is installed
+    proc = subprocess.Popen(command, cwd=job.parent, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     first = None
     while proc.poll() is None:
         if first is None and any((out / "data").glob("shard-*/part-*.parquet")):
