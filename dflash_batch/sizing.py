@@ -25,6 +25,7 @@ import torch
 
 from dflash_batch import parallel
 from dflash_batch.build import DTYPES, EngineSetup, resolve_engine
+from dflash_batch.engine import choice
 from dflash_batch.engine.batch import DecodeBatch
 from dflash_batch.engine.engine import Engine, runtime_tensors
 from dflash_batch.engine.pair import attach_drafter
@@ -196,7 +197,7 @@ class _Sizer:
         scored = tokens if self.job.sampling.prompt_logprobs is not None else min(tokens, bucket.max_num_seqs)
         torch_attention = self.setup.backend == "torch"
         widths = self.widths[self.target]
-        need = widths.chunk + activations.forward_bytes(widths, tokens, scored, True, bucket.max_num_seqs,
+        need = widths.chunk + activations.forward_bytes(widths, tokens, scored, scored, bucket.max_num_seqs,
                                                         bucket.max_tokens, torch_attention)
         if block > 1:  # the drafter writes the chunk's context from its taps
             need += tokens * self.widths[self.drafter].layer
@@ -208,13 +209,14 @@ class _Sizer:
         sampled = self.job.sampling.temperature > 0 or self.setup.cuda_graphs or self.job.input.rows_may_set(
             "temperature")
         torch_attention = self.setup.backend == "torch"
-        verify = activations.forward_bytes(self.widths[self.target], tokens, tokens, sampled, rows, keys,
+        # A sampled verify gathers and samples its rows a group of sequences at a time (choice.py).
+        group = min(tokens, max(block, choice.group_rows(self.engine.vocab_size))) if sampled else 0
+        verify = activations.forward_bytes(self.widths[self.target], tokens, tokens, group, rows, keys,
                                            torch_attention)
-        if sampled:
-            verify += activations.sampling_bytes(self.widths[self.target], tokens)
+        verify += activations.sampling_bytes(self.widths[self.target], group)
         if block == 1:
             return verify
-        draft = activations.forward_bytes(self.widths[self.drafter], tokens, rows * (block - 1), False, rows,
+        draft = activations.forward_bytes(self.widths[self.drafter], tokens, rows * (block - 1), 0, rows,
                                           keys, torch_attention)
         return max(verify, draft)
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dflash_batch.engine import choice
 from dflash_batch.engine import engine as engine_module
 from dflash_batch.engine.engine import Engine
 from dflash_batch.engine.graphs import RoundGraphs
@@ -44,9 +45,10 @@ def generate(target_dir: str, drafter_dir: str, prompts: list[list[int]], sampli
 
 def run(rank: int, world_size: int, port: int, target_dir: str, drafter_dir: str,
         prompts: list[list[int]], runs: dict[str, dict], out_dir: str, graphs: bool = False,
-        device: str = "cpu", costs_by_rank: list[list[float]] | None = None) -> None:
+        device: str = "cpu", costs_by_rank: list[list[float]] | None = None, group_rows: int | None = None) -> None:
     """`costs_by_rank`: an auto bucket (speculation: auto) whose round costs each rank reads from
-    here (seconds by verify width) instead of timing them."""
+    here (seconds by verify width) instead of timing them; `group_rows`: verify rows each rank
+    gathers and samples at once (engine/choice.py), default as many as its vocabulary allows."""
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)  # two ranks share a small CPU
@@ -57,6 +59,8 @@ def run(rank: int, world_size: int, port: int, target_dir: str, drafter_dir: str
     dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=60))
     try:
+        if group_rows is not None:
+            choice.group_rows = lambda vocab: group_rows
         if costs_by_rank is not None:
             Engine._time_round = lambda self, *args: costs_by_rank[rank][args[-1] - 1]
         speculation = True if costs_by_rank is None else "auto"
@@ -68,10 +72,12 @@ def run(rank: int, world_size: int, port: int, target_dir: str, drafter_dir: str
 
 
 def assert_tp2_equals_tp1(target_dir: str, drafter_dir: str, prompts: list[list[int]], runs: dict[str, dict],
-                          out_dir: str, port: int, graphs: bool = False, device: str = "cpu") -> None:
+                          out_dir: str, port: int, graphs: bool = False, device: str = "cpu",
+                          group_rows: int | None = None) -> None:
     """Decode in this process, then on two ranks (gloo on the CPU, NCCL on two GPUs; `graphs`:
-    through the graph path): both ranks must give the same tokens and accepted drafts per round,
-    for every sampling setting in `runs`."""
+    through the graph path; `group_rows`: the ranks gather and sample that many verify rows at a
+    time): both ranks must give the same tokens and accepted drafts per round, for every sampling
+    setting in `runs`."""
     import torch.multiprocessing as mp
 
     args = (target_dir, drafter_dir, prompts, runs)
@@ -79,7 +85,7 @@ def assert_tp2_equals_tp1(target_dir: str, drafter_dir: str, prompts: list[list[
     assert any(n for r in expected["greedy"] for n in r["per_round"]), "no draft accepted"
     vocab = json.loads((Path(drafter_dir) / "config.json").read_text())["vocab_size"]  # the pair's
     assert_every_slice_decoded([t for r in expected["greedy"] for t in r["tokens"]], vocab, 2)
-    mp.spawn(run, args=(2, port, *args, out_dir, graphs, device), nprocs=2)
+    mp.spawn(run, args=(2, port, *args, out_dir, graphs, device, None, group_rows), nprocs=2)
     for rank in range(2):
         got = torch.load(Path(out_dir) / f"rank{rank}.pt", map_location="cpu")
         for name in runs:

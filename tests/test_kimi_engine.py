@@ -126,12 +126,15 @@ def test_tp2_equals_tp1(tmp_path, graphs):
     # of the 96 vocabulary rows, each half holding likely tokens (`slices`), so greedy tokens and
     # the drafter's candidates come from both ranks. `graphs`: the ranks run the engine's graph path
     # (captures and replays emulated: tests/emulated_graphs.py), against one process decoding eagerly.
+    # The ranks gather and sample the verify rows of two sequences at a time (engine/choice.py; 3
+    # sequences: an uneven last group), the one process all at once.
     target, drafter = make_kimi_pair(tmp_path / "pair", stream="attn_res", moe_intermediate_size=64, slices=2)
     prompts = random_prompts([1, 37, 20], vocab=VOCAB, seed=6)
     runs = {"greedy": dict(max_new_tokens=24),
-            "sampled": dict(max_new_tokens=24, temperature=1.0, top_p=0.95)}
+            "sampled": dict(max_new_tokens=24, temperature=1.0, top_p=0.95),
+            "logprobs": dict(max_new_tokens=12, temperature=0.8, top_k=5, logprobs=2)}
     engine_tp_worker.assert_tp2_equals_tp1(str(target), str(drafter), prompts, runs, str(tmp_path), free_port(),
-                                           graphs)
+                                           graphs, group_rows=16)
 
 
 # -- pairing ---------------------------------------------------------------------------------------

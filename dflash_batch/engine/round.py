@@ -41,9 +41,7 @@ import torch
 from dflash_batch import parallel
 from dflash_batch.backends.meta import AttentionBackend, AttnMeta
 from dflash_batch.engine.batch import DecodeBatch
-from dflash_batch.engine.sampling import (add_bias_, choose_tokens, hold_stops_, log_probs, mask_disallowed_,
-                                          penalize_)
-from dflash_batch.kernels.sample import top1
+from dflash_batch.engine.choice import choose_verified
 
 ERROR = 3  # a finished code beside kernels.accept's STOP and LENGTH: the logits were not finite
 
@@ -119,26 +117,15 @@ class Round:
         positions, verify = drafted
         W = verify.q_index.shape[1]  # rows verified a sequence
         ids = b.ids[:n, :W]
-        # Greedy rounds without logprobs read only each row's argmax: each tensor-parallel rank
-        # keeps its slice of the vocabulary and sends its best (3 values a row, not V / ranks).
-        verify.gather_logits = not (greedy and b.token_logprob is None)
+        # Each rank keeps its slice of the vocabulary: greedy rounds without logprobs send only each
+        # row's best (3 values a row); the others gather whole rows a group at a time (choice.py).
+        verify.gather_logits = False
         logits, taps = self.target(ids.reshape(-1), verify)
-        if verify.gather_logits:
-            # A row whose logits are not finite fails alone (its sequence becomes an error row);
-            # checked before held stop ids are set to -inf.
-            finite = torch.isfinite(logits).all(-1)
-            if b.token_logprob is not None:  # scored before any logit edit below
-                scores = log_probs(logits, b.temperature[:n, :W].reshape(-1))
-                top = scores.topk(b.top_logprobs.shape[-1], dim=-1)
-                b.top_logprobs[:n, :W] = top.values.view(n, W, -1)
-                b.top_logprob_ids[:n, :W] = top.indices.view(n, W, -1)
-            # greedy: no row samples, biases or holds its stop ids (engine.py decides)
-            chosen = top1(logits) if greedy else self.choose(batch, n, logits, positions, W, constrained)
-        else:
+        if greedy and b.token_logprob is None:
             chosen, finite = parallel.sharded_top1(logits)
+        else:
+            chosen, finite = choose_verified(b, n, W, logits, positions, greedy, constrained, self.ops.sample)
         finite = finite.view(n, W).all(-1)
-        if b.token_logprob is not None:
-            b.token_logprob[:n, :W] = scores.gather(-1, chosen[:, None]).view(n, W)
         chosen = chosen.view(n, W)
         if W < B:  # the rows not verified choose nothing (-2 matches no draft and is never kept)
             chosen = torch.nn.functional.pad(chosen, (0, B - W), value=-2)
@@ -153,25 +140,3 @@ class Round:
             # The verify left the recurrent state alone; it moves past the anchor and the
             # accepted drafts (the bonus is the next anchor, not yet fed).
             self.target.commit(b.state_slot[:n], accepted + 1)
-
-    def choose(self, b: DecodeBatch, n: int, logits: torch.Tensor, positions: torch.Tensor, W: int,
-               constrained: bool) -> torch.Tensor:
-        """Each of the W verify rows' token: its logit bias, penalties along the drafted path, held
-        stop ids and grammar mask applied (in place), then the seeded sample."""
-        def per_verify_row(t: torch.Tensor) -> torch.Tensor:  # [n, L] -> [n * W, L]
-            return t[:n, None, :].expand(n, W, -1).reshape(n * W, -1)
-
-        def verified(t: torch.Tensor) -> torch.Tensor:  # [rows, B, ...] -> [n * W, ...]
-            return t[:n, :W].reshape(n * W, *t.shape[2:])
-
-        if b.bias is not None:
-            add_bias_(logits, per_verify_row(b.bias_ids), per_verify_row(b.bias))
-        if b.counts is not None:
-            penalize_(logits, b.counts[:n], b.in_prompt[:n], b.ids[:n, 1:W], b.repetition[:n], b.frequency[:n],
-                      b.presence[:n])
-        held = (positions + 1).view(n, W) < b.min_stop_pos[:n, None]
-        hold_stops_(logits, per_verify_row(b.stop_ids), held.reshape(-1))
-        if constrained:
-            mask_disallowed_(logits, verified(b.allowed_bits.view(b.rows, self.block, -1)))
-        return choose_tokens(logits, verified(b.temperature), verified(b.top_k), verified(b.top_p), verified(b.seed),
-                             positions + 1, self.ops.sample, verified(b.min_p))

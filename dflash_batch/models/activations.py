@@ -24,6 +24,7 @@ from dflash_batch import parallel
 from dflash_batch.backends.torch_attention import SCORES_LIMIT
 
 WIDE = 4  # float32: norms, gates, router scores, logits
+SAMPLER_COPIES = 6  # float32 copies of a row's logits while it is sampled (sampling_bytes)
 KDA_CHUNK = 64  # layers/kda.py's chunked form
 
 
@@ -100,13 +101,14 @@ def _kimi(config: dict, tp: int, b: int, torch_kernels: bool) -> Widths:
                   chunk)
 
 
-def forward_bytes(w: Widths, tokens: int, logit_rows: int, gathered: bool, sequences: int = 1, keys: int = 0,
+def forward_bytes(w: Widths, tokens: int, logit_rows: int, gathered: int, sequences: int = 1, keys: int = 0,
                   torch_attention: bool = False) -> int:
     """A forward of `tokens` tokens of `sequences` sequences with up to `keys` keys each, scoring
-    `logit_rows` rows (`gathered`: whole rows on every rank, else this rank's slice)."""
+    `logit_rows` rows (this rank's slice of each), of which `gathered` at once are gathered
+    whole on every rank (the verify's groups: engine/choice.py)."""
     # The rows' logits and, while their finiteness is checked, |logits| and three bool masks.
-    logits = logit_rows * w.vocab * (2 * WIDE + 3) + (logit_rows * w.vocab * parallel.world_size() * 2 * WIDE
-                                                        if gathered and parallel.world_size() > 1 else 0)
+    logits = logit_rows * w.vocab * (2 * WIDE + 3) + (gathered * w.vocab * parallel.world_size() * 2 * WIDE
+                                                        if parallel.world_size() > 1 else 0)
     # The torch attention scores blocks of keys (at most SCORES_LIMIT scores at once) from a gather.
     scores = min(SCORES_LIMIT, tokens * w.heads * keys)
     attention = 3 * WIDE * scores + 2 * sequences * keys * w.key if torch_attention else 0
@@ -114,6 +116,6 @@ def forward_bytes(w: Widths, tokens: int, logit_rows: int, gathered: bool, seque
 
 
 def sampling_bytes(w: Widths, rows: int) -> int:
-    """Choosing sampled tokens from whole rows of logits: the filtered copies, the top-p sort
-    (values and int64 indices), the probabilities and their running sum."""
-    return 6 * rows * w.vocab * parallel.world_size() * WIDE
+    """Choosing sampled tokens from `rows` whole rows of logits at once: the filtered copies, the
+    top-p sort (values and int64 indices), the probabilities and their running sum."""
+    return SAMPLER_COPIES * rows * w.vocab * parallel.world_size() * WIDE
