@@ -1,10 +1,12 @@
-"""Installing the package into an environment that has its own torch keeps that torch: the GPU
-image's CUDA torch 2.11 (stood in for by its metadata: pip decides from it alone) is not
-replaced, as a pin to another release would replace it. Needs the package registry (CI has it)."""
+"""Installing the package beside the ecosystem's: a host's own torch is kept (the GPU image's CUDA
+torch 2.11, stood in for by its metadata: pip decides from it alone, and would replace it for a
+pin to another release; needs the package registry, CI has it), and Hugging Face's `kernels`
+package keeps its import name (this repository's kernels/ is dflash_batch.kernels)."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import venv
@@ -34,3 +36,18 @@ def test_pip_install_beside_a_cuda_torch_2_11_would_not_touch_it(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     installs = {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
     assert "dflash-batch" in installs and "torch" not in installs, installs
+
+
+def test_hugging_faces_kernels_keeps_its_name_beside_this_package(tmp_path):
+    """From the repository root (where a top-level kernels/ would shadow it first), `import kernels`
+    is an installed package of that name (Hugging Face's, stood in for here), and this package's
+    kernels are dflash_batch.kernels in the same process."""
+    hf = tmp_path / "site" / "kernels"
+    hf.mkdir(parents=True)
+    (hf / "__init__.py").write_text("WHOSE = 'hugging face'\n")
+    code = ("import kernels, dflash_batch.kernels.ops as ops, dflash_batch.kernels.sample as sample; "
+            "print(kernels.WHOSE, ops.__name__, sample.top1.__name__)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{ROOT}"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["hugging", "face", "dflash_batch.kernels.ops", "top1"]
