@@ -73,6 +73,7 @@ class BucketNeed:
     prefill: int        # a prefill chunk's activations
     round: int          # the round's activations at the bucket's largest padded size
     graphs: bool        # the round's memory is a CUDA-graph pool held for the bucket
+    parts: dict[str, int] = dataclasses.field(default_factory=dict)  # the caches by component
 
     @property
     def total(self) -> int:
@@ -115,7 +116,28 @@ class Plan:
             lines.append(f"  {b.name:<14} {b.max_num_seqs:>5} {need.caches / GB:>8.2f} {need.batch / GB:>7.3f} "
                          f"{need.prefill / GB:>8.2f} {need.round / GB:>8.2f} {(self.base + need.total) / GB:>8.2f} "
                          f"{'yes' if self.holds(need) else 'NO':>5} {largest:>12}")
+            lines.append("    caches: " + ", ".join(f"{name} {size / GB:.2f}" for name, size in need.parts.items()))
         return "\n".join(lines)
+
+
+def cache_parts(models: dict[str, torch.nn.Module | None]) -> dict[str, int]:
+    """The caches the models hold (engine.runtime_tensors), by component: "target MLA latent",
+    "target KDA state", "target KDA verify staging", "drafter latent and rings", ... (a layer kind's
+    own name where it has none here), largest first."""
+    parts: dict[str, int] = {}
+    for role, model in models.items():
+        for module in model.modules() if model is not None else ():
+            for attr, t in vars(module).items():
+                if isinstance(t, torch.Tensor):
+                    name = f"{role} {_COMPONENTS.get((type(module).__name__, attr.split('_')[0]), type(module).__name__ + ' ' + attr)}"
+                    parts[name] = parts.get(name, 0) + t.nbytes
+    return dict(sorted(parts.items(), key=lambda kv: -kv[1]))
+
+
+# (layer class, attribute's first word) -> component
+_COMPONENTS = {("GatedMLA", "cache"): "MLA latent", ("KDA", "state"): "KDA state", ("KDA", "conv"): "KDA state",
+               ("KDA", "staged"): "KDA verify staging", ("DFlashMLAAttention", "cache"): "latent and rings",
+               **{(layer, kv): "K/V" for layer in ("Qwen3Attention", "DFlashAttention") for kv in ("k", "v")}}
 
 
 class _Sizer:
@@ -169,7 +191,8 @@ class _Sizer:
             batch = self.engine.allocate(bucket)
             self._grow(batch)
             block, keys = batch.block, bucket.max_tokens + batch.block
-            caches = sum(t.nbytes for t in runtime_tensors([self.target, self.drafter] if self.drafter else [self.target]))
+            parts = cache_parts({"target": self.target, "drafter": self.drafter})
+            caches = sum(parts.values())
             state = _bytes(batch) + self._grammar(batch)
             round_ = self._round(batch.rows, block, keys)
             if bucket.speculation == "auto" and block > 1:
@@ -178,7 +201,8 @@ class _Sizer:
                                   "meta", self.engine.vocab_size, batch)
                 state += _bytes(one) + self._grammar(one)
                 round_ += self._round(batch.rows, 1, keys) if self.setup.cuda_graphs else 0
-            return BucketNeed(bucket, caches, state, self._prefill(bucket, block), round_, self.setup.cuda_graphs)
+            return BucketNeed(bucket, caches, state, self._prefill(bucket, block), round_, self.setup.cuda_graphs,
+                              parts)
 
     def _grow(self, batch: DecodeBatch) -> None:
         """What the job's rows may ask for that the batch keeps for every row (the job's sampling,

@@ -411,3 +411,23 @@ def test_the_production_plan_counts_the_experts_as_the_spec_does():
     for tp in (8, 16):
         plan = plan_job(job, JOBS, 141 * GB, tp=tp)
         assert plan.weights["target weights uint8 (MXFP4 packed)"] == planned_expert_bytes(config, tp)
+
+
+def test_the_plan_shows_each_buckets_caches_by_component():
+    """The H200 job at TP16 (the caches' total is checked against the allocator above): each
+    bucket's caches by component, the target's MLA latent the spec's 27.6 KB a token slot (its 24
+    full-attention layers x (512 + 64) bf16, every rank holding every sequence's) over at least
+    max_num_seqs x max_tokens slots, and the table prints the components."""
+    job = load_job(JOBS / "kimi-k3-dflash2-h200.yaml")
+    config = json.loads((JOBS / "models/moonshotai/Kimi-K3/config.json").read_text())["text_config"]
+    per_slot = len(config["linear_attn_config"]["full_attn_layers"]) * (
+        config["kv_lora_rank"] + config["qk_rope_head_dim"]) * 2
+    assert per_slot == 27_648
+    plan = plan_job(job, JOBS, 141 * GB, tp=16)
+    for need in plan.buckets:
+        assert set(need.parts) == {"target MLA latent", "target KDA state", "target KDA verify staging",
+                                   "drafter latent and rings"}
+        slots, rest = divmod(need.parts["target MLA latent"], per_slot)
+        b = need.bucket
+        assert rest == 0 and b.max_num_seqs * b.max_tokens <= slots <= (b.max_num_seqs + 1) * (b.max_tokens + 64)
+    assert "    caches: target MLA latent 10.89, target KDA state 1.42," in plan.table()
