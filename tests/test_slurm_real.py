@@ -9,12 +9,15 @@ installs it where it can) or the cluster script."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -47,14 +50,33 @@ def slurm():
         pytest.skip("the one-node cluster runs its daemons as root")
     script = _script()
     env = {**os.environ, "LOCAL_SLURM_CRED_EXPIRE": "5", "LOCAL_SLURM_GRACE_TIME": "10"}
-    started = subprocess.run(["bash", str(script), "start"], env=env, capture_output=True, text=True)
-    if started.returncode:
-        pytest.skip(f"the one-node Slurm did not start: {started.stdout[-500:]} {started.stderr[-500:]}")
+    with _cluster_users() as users:
+        started = subprocess.run(["bash", str(script), "start"], env=env, capture_output=True, text=True)
+        if started.returncode:
+            pytest.skip(f"the one-node Slurm did not start: {started.stdout[-500:]} {started.stderr[-500:]}")
+        users["count"] += 1
+        users["ours"] = users["ours"] or "started slurmctld" in started.stdout
     conf = subprocess.run(["bash", str(script), "env"], env=env, capture_output=True, text=True, check=True)
     env["SLURM_CONF"] = conf.stdout.split("=", 1)[1].strip().strip("'\"")
     yield env
-    if "started slurmctld" in started.stdout:  # this test started the cluster: stop it
-        subprocess.run(["bash", str(script), "stop"], env=env, capture_output=True)
+    # pytest-xdist may run this module's tests on two workers, each with this fixture: the last to
+    # leave stops the cluster if one of them started it (stopping it under the other's job lost it).
+    with _cluster_users() as users:
+        users["count"] -= 1
+        if users["count"] == 0 and users["ours"]:
+            subprocess.run(["bash", str(script), "stop"], env=env, capture_output=True)
+            users["ours"] = False
+
+
+@contextmanager
+def _cluster_users():
+    """{count: fixtures using the cluster now, ours: one of them started it}, under a file lock."""
+    path = Path(tempfile.gettempdir()) / "dflash-batch-local-slurm.json"
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        users = json.loads(path.read_text()) if path.exists() else {"count": 0, "ours": False}
+        yield users
+        path.write_text(json.dumps(users))
 
 
 def _tasks(env: dict, job: str) -> dict[str, str]:
