@@ -113,15 +113,16 @@ def test_the_compile_cache_is_where_the_job_or_environment_says(tmp_path, env):
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "out" / ".compile_cache" / "inductor")
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "out" / ".compile_cache" / "triton")
     env.delenv("TORCHINDUCTOR_CACHE_DIR")
-    env.setenv("DFLASH_CACHE_DIR", "/shared/cache")
-    assert use_compile_cache(_job(tmp_path)) == tmp_path.joinpath("/shared/cache")
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/shared/cache/inductor"
+    shared = tmp_path / "on-a-shared-filesystem"
+    env.setenv("DFLASH_CACHE_DIR", str(shared))
+    assert use_compile_cache(_job(tmp_path)) == shared
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(shared / "inductor")
     env.delenv("TORCHINDUCTOR_CACHE_DIR")
     assert use_compile_cache(_job(tmp_path, cache_dir="cache")) == tmp_path / "cache"  # relative to the job
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / "inductor")
-    env.setenv("TORCHINDUCTOR_CACHE_DIR", "/mine")  # the environment's own wins
+    env.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # the environment's own wins
     use_compile_cache(_job(tmp_path, cache_dir="cache"))
-    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/mine"
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
 
 
 def test_a_compiling_engine_is_built_with_the_jobs_cache(tmp_path, env):
