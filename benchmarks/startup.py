@@ -36,7 +36,7 @@ SHAPE = dict(vocab=320, hidden=128, inter=256, heads=4, kv_heads=2, head_dim=32)
 def qwen3_job(d: Path) -> Path:
     target = checkpoints.qwen3_checkpoint(d / "target", layers=4, **SHAPE)
     make_tokenizer_dir(target, vocab_size=256)
-    drafter = checkpoints.dflash_checkpoint(d / "drafter", layers=2, **SHAPE)
+    checkpoints.dflash_checkpoint(d / "drafter", layers=2, **SHAPE)
     (d / "prompts.jsonl").write_text("".join(f'{{"id": "r{i}", "prompt": "Question {i}: what is {i} plus {2 * i}?"}}\n'
                                              for i in range(24)))
     doc = {"input": {"paths": ["prompts.jsonl"], "id_column": "id", "prompt_column": "prompt"},
@@ -77,8 +77,9 @@ def run(job: Path, out: Path, cache: Path, compile: bool | None, eager: bool = F
     total = time.perf_counter() - t0
     if proc.returncode:
         raise SystemExit(f"{variant} failed:\n{proc.stderr.read()[-3000:]}")
-    rows = sorted((r["row_id"], r["response"], r["completion_tokens"]) for f in sorted((out / "data").rglob("part-*.parquet"))
-                  for r in pq.read_table(f, columns=["row_id", "response", "completion_tokens"]).to_pylist())
+    columns = ["row_id", "response", "completion_tokens"]
+    rows = sorted(tuple(r.values()) for f in sorted((out / "data").rglob("part-*.parquet"))
+                  for r in pq.read_table(f, columns=columns).to_pylist())
     return first or total, total, rows
 
 

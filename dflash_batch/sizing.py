@@ -27,7 +27,7 @@ from dflash_batch import parallel
 from dflash_batch.build import DTYPES, EngineSetup, resolve_engine
 from dflash_batch.engine import choice
 from dflash_batch.engine.batch import DecodeBatch
-from dflash_batch.engine.engine import Engine, runtime_tensors
+from dflash_batch.engine.engine import Engine, named_runtime_tensors
 from dflash_batch.engine.pair import attach_drafter
 from dflash_batch.grammar import asks_for_grammar
 from dflash_batch.job import Job, JobError, gpu_bytes
@@ -121,16 +121,15 @@ class Plan:
 
 
 def cache_parts(models: dict[str, torch.nn.Module | None]) -> dict[str, int]:
-    """The caches the models hold (engine.runtime_tensors), by component: "target MLA latent",
-    "target KDA state", "target KDA verify staging", "drafter latent and rings", ... (a layer kind's
-    own name where it has none here), largest first."""
+    """The caches the models hold (engine.named_runtime_tensors), by component: "target MLA
+    latent", "target KDA state", "target KDA verify staging", "drafter latent and rings", ... (the
+    layer's class and attribute where _COMPONENTS names none), largest first."""
     parts: dict[str, int] = {}
     for role, model in models.items():
-        for module in model.modules() if model is not None else ():
-            for attr, t in vars(module).items():
-                if isinstance(t, torch.Tensor):
-                    name = f"{role} {_COMPONENTS.get((type(module).__name__, attr.split('_')[0]), type(module).__name__ + ' ' + attr)}"
-                    parts[name] = parts.get(name, 0) + t.nbytes
+        for module, attr, t in named_runtime_tensors([model] if model is not None else []):
+            layer = type(module).__name__
+            name = f"{role} {_COMPONENTS.get((layer, attr.split('_')[0]), f'{layer} {attr}')}"
+            parts[name] = parts.get(name, 0) + t.nbytes
     return dict(sorted(parts.items(), key=lambda kv: -kv[1]))
 
 

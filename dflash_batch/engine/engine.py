@@ -43,10 +43,16 @@ def is_out_of_memory(error: Exception) -> bool:
         isinstance(error, RuntimeError) and "can't allocate memory" in str(error))
 
 
+def named_runtime_tensors(models: list[torch.nn.Module]) -> Iterator[tuple[torch.nn.Module, str, torch.Tensor]]:
+    """(module, attribute, tensor) for each tensor the models keep as a plain module attribute
+    (caches: runtime state, not weights)."""
+    return ((module, name, v) for model in models for module in model.modules() for name, v in vars(module).items()
+            if isinstance(v, torch.Tensor))
+
+
 def runtime_tensors(models: list[torch.nn.Module]) -> list[torch.Tensor]:
-    """Tensors the models keep as plain module attributes (caches: runtime state, not weights)."""
-    return [v for model in models for module in model.modules() for v in vars(module).values()
-            if isinstance(v, torch.Tensor)]
+    """The tensors of named_runtime_tensors."""
+    return [v for _, _, v in named_runtime_tensors(models)]
 
 
 def release_caches(model: torch.nn.Module) -> None:
@@ -162,7 +168,8 @@ class Engine:
                         if schedule is not None and schedule.pinned is None:
                             plan = parallel.agreed(plan)  # each rank timed its own rounds
                         k = max(plan, 0)
-                        started, emitted = time.perf_counter(), sum(len(s.tokens) for s in involved)
+                        started = time.perf_counter()
+                        emitted = sum(len(s.tokens) for s in involved) if pays is not None else 0
                         accepted = self._round(batch, q.running, step, graphs, block, k + 1)
                         finished = [s for s in involved if s.finish_reason]
                         if pays is not None:
