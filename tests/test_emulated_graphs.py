@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dflash_batch.engine import choice
 from dflash_batch.engine import engine as engine_module
 from dflash_batch.engine.engine import Engine
 from dflash_batch.engine.request import Request, SamplingParams
@@ -90,7 +91,10 @@ SAMPLED = dict(temperature=1.0, top_p=0.9, top_k=20, repetition_penalty=1.2, log
 
 @pytest.mark.parametrize("sampling", [[{}], [SAMPLED, {}]], ids=["greedy", "sampled"])
 def test_qwen3_graph_path_equals_eager(qwen3, monkeypatch, sampling):
+    """Sampled, the captured rounds choose their verify rows two sequences at a time
+    (engine/choice.py: the loop and its gathers captured), the eager ones all four at once."""
     want = outcomes(Engine(*qwen3, dtype=F64), sampling)
+    monkeypatch.setattr(choice, "group_rows", lambda vocab: 2 * 8)
     monkeypatch.setattr(engine_module, "RoundGraphs", CountedGraphs)
     monkeypatch.setattr(CountedGraphs, "replays", 0)
     got = outcomes(Engine(*qwen3, dtype=F64, cuda_graphs=True, capture_sizes=[1, 2, 4]), sampling)
