@@ -60,6 +60,36 @@ def all_gather_last(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def all_gather_dim1(x: torch.Tensor) -> torch.Tensor:
+    """[T, h, ...] on each rank -> [T, ranks * h, ...], ranks in order (query heads gathered for
+    the latent split: rank r's heads are the model's r * h ..)."""
+    n = world_size()
+    if n == 1:
+        return x
+    parts = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)  # ranks' x, stacked
+    # all_gather_single is all_gather_into_tensor's newer name (torch 2.13 warns on the old one).
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(parts, x.contiguous())
+    return parts.view(n, *x.shape).movedim(0, 1).flatten(1, 2)
+
+
+def reduce_scatter_dim1(x: torch.Tensor) -> torch.Tensor:
+    """[T, ranks * h, ...] partial sums on each rank -> [T, h, ...]: the sum over ranks of this
+    rank's slice of dim 1 (the inverse of all_gather_dim1's layout)."""
+    n = world_size()
+    if n == 1:
+        return x
+    chunks = x.unflatten(1, (n, -1)).movedim(1, 0).contiguous()  # [ranks, T, h, ...]
+    if dist.get_backend() != "nccl":
+        # gloo's reduce-scatter is an all-reduce and a copy inside the op (a capture cannot replay
+        # it: tests/emulated_graphs.py): the all-reduce itself, this rank's chunk kept.
+        dist.all_reduce(chunks)
+        return chunks[rank()]
+    out = torch.empty(chunks.shape[1:], dtype=x.dtype, device=x.device)
+    # reduce_scatter_single is reduce_scatter_tensor's newer name (torch 2.13 warns on the old one).
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, chunks.flatten(0, 1))
+    return out
+
+
 def _gathered_candidates(values: torch.Tensor, ids: torch.Tensor, *extra: torch.Tensor) -> torch.Tensor:
     """Every rank's candidates [..., c] (values, global vocabulary ids, extras) -> [..., ranks * c,
     2 + len(extra)], ranks in vocabulary order. One gather; ids are exact in the values' float

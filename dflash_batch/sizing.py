@@ -248,8 +248,8 @@ class _Planned:
     """The attention backend's answer to what the engine asks while allocating (rings or whole
     caches), without its kernels."""
 
-    def __init__(self, backend: str):
-        self.name = backend
+    def __init__(self, backend: str, latent_split: int = 1):
+        self.name, self.latent_split = backend, latent_split
 
     def reads_rings(self, latent: bool) -> bool:
         return latent or self.name == "torch"

@@ -26,6 +26,7 @@ class AttentionBackend(Protocol):
     read host-side lengths; `write` and `attend` run inside one."""
 
     name: str
+    latent_split: int  # ranks an MLA latent cache is split across by token (1: kept whole on each)
 
     def reads_rings(self, latent: bool) -> bool:
         """Whether a drafter's sliding layers may keep ring caches (AttnMeta.ring_view) here:

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dflash_batch import parallel
+from dflash_batch.backends.latent_split import LatentSplit, merge_across_ranks
 from dflash_batch.backends.meta import AttnMeta
 
 
@@ -29,37 +31,47 @@ FUSED_CPU_BLOCKS = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_
 
 @dataclass(frozen=True)
 class Span:
-    """The key positions a forward reads: first[b] + 0..count-1 for sequence b (first None: 0)."""
+    """The key positions a forward reads: key j of sequence b is at first[b] + j * ways (first
+    None: rank + j * ways), j < count. `ways` > 1: a rank's share of a latent split."""
 
     first: torch.Tensor | None
     count: int
     window: int | None  # the window that chose `first` (None: the whole context)
+    ways: int = 1
+    rank: int = 0
 
 
-def key_span(meta: AttnMeta, window: int | None) -> Span:
-    """The key positions a sliding (or full) layer of this forward reads.
-    With a window shorter than the context, each sequence reads the window + q_max - 1 positions
-    that end at its last query (every key its queries may see: in every forward the engine runs,
-    keys lie at or before the last query), so a sliding layer's cost, and a ring cache, stay in
-    the window. Otherwise positions 0..max_kv for all."""
+def key_span(meta: AttnMeta, window: int | None, split: LatentSplit | None = None) -> Span:
+    """The key positions a sliding (or full) layer of this forward reads (with `split`: those of
+    them this rank keeps). With a window shorter than the context, each sequence reads the window
+    + q_max - 1 positions that end at its last query (every key its queries may see: in every
+    forward the engine runs, keys lie at or before the last query), so a sliding layer's cost,
+    and a ring cache, stay in the window. Otherwise positions 0..max_kv for all."""
+    ways, rank = (split.ways, split.rank) if split else (1, 0)
     count = None if window is None else window + meta.q_index.shape[1] - 1
     if count is None or count >= meta.max_kv:
-        return Span(None, meta.max_kv, None)
-    return Span(meta.shared(("first_key", window), lambda: meta.q_positions.amax(1) - (count - 1)), count, window)
+        # A rank may keep none of a short context's positions: it reads one, masked.
+        return Span(None, max(1, -(-(meta.max_kv - rank) // ways)), None, ways, rank)
+
+    def first() -> torch.Tensor:
+        first = meta.q_positions.amax(1) - (count - 1)
+        return first + (rank - first) % ways  # this rank's first position from there
+    return Span(meta.shared(("first_key", window), first), -(-count // ways), window, ways, rank)
 
 
 def key_positions(span: Span, start: int, stop: int, device: torch.device) -> torch.Tensor:
     """[bs | 1, stop - start]: positions of keys start..stop-1 of the span."""
-    pos = torch.arange(start, stop, device=device)[None, :]
-    return pos if span.first is None else span.first[:, None] + pos
+    pos = torch.arange(start, stop, device=device)[None, :] * span.ways
+    return pos + span.rank if span.first is None else span.first[:, None] + pos
 
 
 def key_slots(meta: AttnMeta, span: Span, start: int, stop: int) -> torch.Tensor:
-    """[bs, stop - start] cache slot of keys start..stop-1 of the span of every sequence (page -1
-    and positions before 0 read page 0: such keys are masked, a padding row's never used)."""
+    """[bs, stop - start] cache row of keys start..stop-1 of the span of every sequence (page -1
+    and positions before 0 read page 0: such keys are masked, a padding row's never used); the
+    row this rank keeps a global slot in (LatentSplit)."""
     pos = key_positions(span, start, stop, meta.block_tables.device).clamp_min(0)
     pages = meta.block_tables.clamp_min(0).gather(1, (pos // meta.page_size).expand(meta.block_tables.shape[0], -1))
-    return pages * meta.page_size + pos % meta.page_size
+    return (pages * meta.page_size + pos % meta.page_size) // span.ways
 
 
 def visible_mask(meta: AttnMeta, causal: bool, window: int | None, span: Span | None = None,
@@ -93,7 +105,16 @@ def _folded_mask(meta: AttnMeta, causal: bool, window: int | None, group: int, d
 
 
 class TorchAttention:
+    """`split`: the MLA latent caches are split across the ranks by token (latent_split.py)."""
+
     name = "torch"
+
+    def __init__(self, split: LatentSplit | None = None):
+        self.split = split
+
+    @property
+    def latent_split(self) -> int:
+        return self.split.ways if self.split else 1
 
     def reads_rings(self, latent: bool) -> bool:
         return True
@@ -107,28 +128,40 @@ class TorchAttention:
 
     def write(self, cache: torch.Tensor, meta: AttnMeta, values: torch.Tensor) -> None:
         # Every cache one forward writes has the same slots (the engine allocates them together).
-        slots = meta.shared("write_slots", lambda: torch.where(meta.slots >= 0, meta.slots, cache.shape[0] - 1))
+        # Under a split every cache written is a latent cache (build.py: MLA pairs only).
+        scratch = cache.shape[0] - 1
+        slots = meta.shared("write_slots", lambda: torch.where(meta.slots >= 0, meta.slots, scratch) if not self.split
+                            else self.split.write_rows(meta.slots, scratch))
         cache.index_copy_(0, slots, values.to(cache.dtype))
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
                scale: float, causal: bool = True, window: int | None = None) -> torch.Tensor:
+        if self.split:
+            raise ValueError("a latent split splits MLA latent caches; GQA layers' K/V split by head")
+
         def keys(span: Span, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
             return (self._gather(k_cache, meta, span, start, stop).to(q.dtype),
                     self._gather(v_cache, meta, span, start, stop).to(q.dtype))
-        return self._attend(q, keys, k_cache.shape[1], v_cache.shape[-1], meta, scale, causal, window)
+        return self._attend(q, keys, k_cache.shape[1], v_cache.shape[-1], meta, scale, causal, key_span(meta, window))
 
     def attend_latent(self, q: torch.Tensor, cache: torch.Tensor, v_width: int, meta: AttnMeta,
                       scale: float, causal: bool = True, window: int | None = None) -> torch.Tensor:
         def keys(span: Span, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
             k = self._gather(cache, meta, span, start, stop).to(q.dtype)
             return k, k[..., :v_width]
-        return self._attend(q, keys, cache.shape[1], v_width, meta, scale, causal, window)
+        if not self.split:
+            return self._attend(q, keys, cache.shape[1], v_width, meta, scale, causal, key_span(meta, window))
+        # Every rank's heads over the keys this rank keeps, merged across ranks by log-sum-exp.
+        out, lse = self._attend(parallel.all_gather_dim1(q), keys, cache.shape[1], v_width, meta, scale, causal,
+                                key_span(meta, window, self.split), with_lse=True)
+        return merge_across_ranks(out, lse).to(q.dtype)
 
     @staticmethod
     def _gather(cache: torch.Tensor, meta: AttnMeta, span: Span, start: int, stop: int) -> torch.Tensor:
         """[bs, stop - start, kv_heads, d]: the cache rows of keys start..stop-1 of the span (a
         view when each sequence owns its run of slots and the span starts at 0, else a copy)."""
-        bs, stride = meta.block_tables.shape[0], meta.block_tables.shape[1] * meta.page_size
+        # A rank of a split keeps 1/ways of each sequence's run, its positions in order.
+        bs, stride = meta.block_tables.shape[0], meta.block_tables.shape[1] * meta.page_size // span.ways
         if span.first is None and meta.rows_own_slots and bs * stride <= cache.shape[0]:
             return cache[:bs * stride].view(bs, stride, *cache.shape[1:])[:, start:stop]
         if (start, stop) == (0, span.count):  # every layer of the forward with this span reads them
@@ -139,9 +172,12 @@ class TorchAttention:
 
     @staticmethod
     def _attend(q: torch.Tensor, keys: Callable[..., tuple[torch.Tensor, torch.Tensor]], kv_heads: int,
-                dv: int, meta: AttnMeta, scale: float, causal: bool, window: int | None) -> torch.Tensor:
+                dv: int, meta: AttnMeta, scale: float, causal: bool, span: Span,
+                with_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`keys(span, start, stop)`: K and V [bs, stop - start, kv_heads, d | dv] of keys
-        start..stop-1 of the span (key_span)."""
+        start..stop-1 of the span (key_span). `with_lse`: also the rows' natural log-sum-exps
+        [T, heads] (-inf: a row that saw no key), the output then in at least float32."""
+        window = span.window
         T, heads, d = q.shape
         bs, q_max = meta.q_index.shape
         q = q.view(bs, q_max, heads, d) if meta.dense else torch.cat([q, q.new_zeros(1, heads, d)])[meta.q_index]
@@ -149,28 +185,30 @@ class TorchAttention:
         # Each K/V head serves `group` query heads: fold them into its query rows, so one SDPA
         # head per K/V head reads each key once.
         q = q.view(bs, q_max, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(bs, kv_heads, group * q_max, d)
-        span = key_span(meta, window)
         block = max(meta.page_size, SCORES_LIMIT // (bs * heads * q_max))
-        if block >= span.count:
+        if block >= span.count and not with_lse:
             k, v = keys(span, 0, span.count)
             mask = meta.shared(("mask", causal, window, group, q.dtype),
                                lambda: _folded_mask(meta, causal, window, group, q.dtype, span))
             out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
         else:
-            out = _blocked(q, keys, meta, scale, causal, window, group, block, span)
-        out = out.view(bs, kv_heads, group, q_max, dv).permute(0, 3, 1, 2, 4).reshape(bs * q_max, heads, dv)
-        if meta.dense:
-            return out
-        result = out.new_empty(T + 1, heads, dv)
-        result[meta.q_index.reshape(-1)] = out
-        return result[:T]
+            out, lse = _blocked(q, keys, meta, scale, causal, group, block, span)
+            out = torch.cat([out.to(lse.dtype), lse], -1) if with_lse else out.to(q.dtype)  # unfolded as one
+        width = out.shape[-1]
+        out = out.view(bs, kv_heads, group, q_max, width).permute(0, 3, 1, 2, 4).reshape(bs * q_max, heads, width)
+        if not meta.dense:
+            result = out.new_empty(T + 1, heads, width)
+            result[meta.q_index.reshape(-1)] = out
+            out = result[:T]
+        return (out[..., :dv], out[..., dv]) if with_lse else out
 
 
 def _blocked(q: torch.Tensor, keys: Callable[..., tuple[torch.Tensor, torch.Tensor]], meta: AttnMeta,
-             scale: float, causal: bool, window: int | None, group: int, block: int, span: Span) -> torch.Tensor:
+             scale: float, causal: bool, group: int, block: int, span: Span) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of folded queries q [bs, kv_heads, group * q_max, d] over the keys `block` at a
-    time: each block's softmax-weighted values and log-sum-exp, merged as they come (in at least
-    float32): memory in the block, not in the context."""
+    time: each block's softmax-weighted values and log-sum-exp, merged as they come: (out, lse
+    [.., 1]), in at least float32. Memory in the block, not in the context."""
+    window = span.window
     bs, kv_heads, rows, _ = q.shape
     total = q.new_full((bs, kv_heads, rows, 1), float("-inf"), dtype=torch.promote_types(q.dtype, torch.float32))
     acc = None  # the attention over the blocks so far; `total` its log-sum-exp
@@ -180,10 +218,11 @@ def _blocked(q: torch.Tensor, keys: Callable[..., tuple[torch.Tensor, torch.Tens
     for start in range(0, span.count, block):
         stop = min(start + block, span.count)
         k, v = keys(span, start, stop)
-        visible = None if stop <= seen_by_all else visible_mask(meta, causal, window, span, start, stop)
+        last = span.rank + (stop - 1) * span.ways  # the block's last key position (first None)
+        visible = None if last < seen_by_all else visible_mask(meta, causal, window, span, start, stop)
         part, lse = block_attention(q, k.transpose(1, 2), v.transpose(1, 2), visible, group, scale)
         acc, total = (part, lse) if acc is None else merge_attention(acc, total, part, lse)
-    return acc.to(q.dtype)
+    return acc, total
 
 
 def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 
 from dflash_batch import parallel
+from dflash_batch.backends.latent_split import LatentSplit
 from dflash_batch.backends.meta import AttentionBackend, Ring
 from dflash_batch.backends.torch_attention import TORCH
 from dflash_batch.engine.batch import DecodeBatch
@@ -55,6 +56,11 @@ def runtime_tensors(models: list[torch.nn.Module]) -> list[torch.Tensor]:
     return [v for _, _, v in named_runtime_tensors(models)]
 
 
+def _split(ways: int) -> dict[str, int]:
+    """allocate_cache's latent_split argument where there is a split (Qwen3 takes none)."""
+    return {"latent_split": ways} if ways > 1 else {}
+
+
 def release_caches(model: torch.nn.Module) -> None:
     """Drop the caches a model keeps (its runtime_tensors)."""
     for module in model.modules():
@@ -63,9 +69,10 @@ def release_caches(model: torch.nn.Module) -> None:
                 setattr(module, name, None)
 
 
-def slot_caches(models: list[torch.nn.Module], batch: DecodeBatch) -> list[torch.Tensor]:
-    """The caches indexed by the batch's slots (K/V, latents): what a sequence sharing a prompt copies."""
-    return [t for t in runtime_tensors(models) if t.shape[0] == batch.num_slots]
+def slot_caches(models: list[torch.nn.Module], batch: DecodeBatch, latent_split: int = 1) -> list[torch.Tensor]:
+    """The caches indexed by the batch's slots (K/V, latents; a split's rows of them): what a
+    sequence sharing a prompt copies."""
+    return [t for t in runtime_tensors(models) if t.shape[0] == batch.num_slots // latent_split]
 
 
 class Engine:
@@ -86,6 +93,10 @@ class Engine:
         self.page_size, self.budget = page_size, max_num_batched_tokens
         self.dtype, self.device = dtype, torch.device(device)
         self.attention, self.ops = attention, ops.for_device(device)
+        ways = attention.latent_split
+        if page_size % ways:
+            raise ValueError(f"page_size {page_size} must be a multiple of the latent split ({ways} ranks)")
+        self.split = LatentSplit(ways, parallel.rank()) if ways > 1 else None  # whose latent rows this rank keeps
         # Batch sizes a round runs at (a batch is padded up to the next one); None: exact sizes.
         self.capture_sizes = sorted(capture_sizes) if capture_sizes else None
         if cuda_graphs and not capture_sizes:
@@ -126,10 +137,11 @@ class Engine:
                 self.log(f"bucket {bucket.name}: rounds run uncompiled (speculation: auto times them so)")
                 pays = None
         self._compile_if(not step.eager, models)
-        caches = slot_caches(models, batch)
+        split = self.attention.latent_split
+        caches = slot_caches(models, batch, split)
         self.ring = batch.ring
         self.ring_caches = [] if self.ring is None else [
-            t for t in runtime_tensors([self.drafter]) if t.shape[0] == self.ring.slots(seqs, self.page_size)]
+            t for t in runtime_tensors([self.drafter]) if t.shape[0] == self.ring.slots(seqs, self.page_size) // split]
         batch.clear_all()  # a previous generate that was closed early may have left rows
         schedule = self._schedule(bucket, block, batch, step, graphs) if block > 1 else None
         q = Queue(requests, seqs, self.budget)
@@ -192,7 +204,7 @@ class Engine:
                 if switch and (one_row := self._stop_speculating(bucket, q, batch, pages_per_row, switch)) is not None:
                     batch, step, graphs = one_row
                     block, schedule = 1, None
-                    caches = slot_caches([self.target], batch)
+                    caches = slot_caches([self.target], batch, split)
 
     def _decided(self, bucket: Bucket, step: Round, models: list[torch.nn.Module], compile: bool, why: str) -> None:
         self.log(f"bucket {bucket.name}: {'compiling the round' if compile else 'rounds run uncompiled'}: {why}")
@@ -261,7 +273,8 @@ class Engine:
         seqs = bucket.max_num_seqs
         # One page past the rows' pages is scratch: padding rows write there and nothing reads it.
         num_slots = (seqs * pages_per_row + 1) * self.page_size
-        cache_bytes = self.target.allocate_cache(num_slots, self.dtype, self.device)
+        split = self.attention.latent_split  # each rank keeps 1/split of the latent slots
+        cache_bytes = self.target.allocate_cache(num_slots, self.dtype, self.device, **_split(split))
         ring = None
         if block > 1:
             # The drafter's sliding layers keep a ring of their window where the backend reads
@@ -270,7 +283,8 @@ class Engine:
             ring_pages = self.drafter.ring_pages(block, self.page_size) if reads else None
             ring = Ring(ring_pages) if ring_pages is not None and ring_pages < pages_per_row else None
             cache_bytes += self.drafter.allocate_cache(num_slots, self.dtype, self.device,
-                                                       ring.slots(seqs, self.page_size) if ring else None)
+                                                       ring.slots(seqs, self.page_size) if ring else None,
+                                                       **_split(split))
         rows = self._padded(seqs)
         if self.recurrent:  # a state slot per row; slot `seqs` is the padding rows' scratch
             self.target.allocate_state(seqs + 1, rows, block, self.device)
@@ -487,7 +501,7 @@ class Engine:
         """The followers of a prefilled prompt start where it ends, with its recurrent state."""
         followers, leader.followers = leader.followers, []
         self._copy_prompt(leader, followers, len(leader.prompt), caches)
-        span = self.ring.pages * self.page_size if self.ring else 0
+        span = self.ring.pages * self.page_size // self.attention.latent_split if self.ring else 0
         for seq in followers:
             if self.recurrent:
                 self.target.copy_state(leader.row, seq.row)
@@ -502,9 +516,11 @@ class Engine:
         def where(seq: Sequence) -> torch.Tensor:
             return torch.tensor(slots(seq.pages, range(n), self.page_size), dtype=torch.int64, device=self.device)
 
-        src = where(source)
+        src, split = where(source), self.split
         for seq in seqs:
             dst = where(seq)
+            if split:  # the positions this rank keeps, at its rows (src and dst have the same owners)
+                src, dst = split.owned_pairs(where(source), dst)
             for cache in caches:
                 cache[dst] = cache[src]
             seq.prefilled = n

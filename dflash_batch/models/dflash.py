@@ -97,7 +97,9 @@ class DFlashAttention(CacheLayer):
         self.v_cache: torch.Tensor | None = None
 
     def allocate(self, num_slots: int, dtype: torch.dtype, device: torch.device | str,
-                 ring_slots: int | None = None) -> int:
+                 ring_slots: int | None = None, latent_split: int = 1) -> int:
+        if latent_split != 1:
+            raise ValueError("GQA caches split by head, not by token (a latent split is for MLA drafters)")
         shape = (self.cache_slots(num_slots, ring_slots), self.num_kv_heads, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
@@ -153,9 +155,10 @@ class DFlashMLAAttention(CacheLayer):
         self.cache: torch.Tensor | None = None  # [slots, 1, kl + dr], filled by allocate()
 
     def allocate(self, num_slots: int, dtype: torch.dtype, device: torch.device | str,
-                 ring_slots: int | None = None) -> int:
-        self.cache = torch.zeros(self.cache_slots(num_slots, ring_slots), 1, self.kl + self.dr, dtype=dtype,
-                                 device=device)
+                 ring_slots: int | None = None, latent_split: int = 1) -> int:
+        """`latent_split`: this rank keeps 1/latent_split of the slots (backends/latent_split.py)."""
+        self.cache = torch.zeros(self.cache_slots(num_slots, ring_slots) // latent_split, 1, self.kl + self.dr,
+                                 dtype=dtype, device=device)
         return self.cache.nbytes
 
     def write_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta) -> None:
@@ -303,10 +306,10 @@ class DFlashDrafter(nn.Module):
         self._target_io = (embed_tokens, lm_head)
 
     def allocate_cache(self, num_slots: int, dtype: torch.dtype, device: torch.device | str,
-                       ring_slots: int | None = None) -> int:
+                       ring_slots: int | None = None, latent_split: int = 1) -> int:
         """Every layer's cache of `num_slots` slots (context and block rows), the sliding layers'
         of `ring_slots` (rings) when given; returns their bytes."""
-        return sum(layer.self_attn.allocate(num_slots, dtype, device, ring_slots) for layer in self.layers)
+        return sum(layer.self_attn.allocate(num_slots, dtype, device, ring_slots, latent_split) for layer in self.layers)
 
     def ring_pages(self, block: int, page_size: int) -> int | None:
         """Pages per batch row a sliding layer's ring needs: its window and a block of `block`

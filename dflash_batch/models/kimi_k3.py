@@ -138,7 +138,8 @@ class GatedMLA(nn.Module):
         self.g_proj = ColumnParallelLinear(hidden, heads * self.dv)
         self.o_proj = RowParallelLinear(heads * self.dv, hidden)
         self.scale = (self.dn + self.dr) ** -0.5
-        self.cache: torch.Tensor | None = None  # [slots, 1, kl + dr], replicated on every rank
+        # [slots, 1, kl + dr] on every rank, or its rows of a split (backends/latent_split.py)
+        self.cache: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
         T = x.shape[0]
@@ -349,13 +350,14 @@ class KimiK3ForConditionalGeneration(nn.Module):
             raise ValueError(f"aux_hidden_stream must be prefix or attn_res, got {stream!r}")
         self.tap_ids, self.tap_stream = sorted(layer_ids), stream or "prefix"
 
-    def allocate_cache(self, num_slots: int, dtype: torch.dtype, device) -> int:
-        """The MLA layers' latent caches of `num_slots` slots; returns their bytes."""
+    def allocate_cache(self, num_slots: int, dtype: torch.dtype, device, latent_split: int = 1) -> int:
+        """The MLA layers' latent caches of `num_slots` slots (split `latent_split` ways across
+        the ranks: backends/latent_split.py); returns their bytes."""
         total = 0
         for layer in self.model.layers:
             if not layer.is_kda:
                 attn = layer.self_attn
-                attn.cache = torch.zeros(num_slots, 1, attn.kl + attn.dr, dtype=dtype, device=device)
+                attn.cache = torch.zeros(num_slots // latent_split, 1, attn.kl + attn.dr, dtype=dtype, device=device)
                 total += attn.cache.nbytes
         return total
 
