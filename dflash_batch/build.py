@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from dflash_batch import parallel
+from dflash_batch.backends.latent_split import LatentSplit
 from dflash_batch.engine.engine import Engine
 from dflash_batch.engine.pair import attach_drafter
 from dflash_batch.job import AutoSpeculationSpec, Job, JobError
@@ -35,13 +36,15 @@ class EngineSetup:
     capture_sizes: list[int] | None
     kernels: str                    # "triton": kernels/' Triton kernels (MoE, AttnRes, ...); "torch": references
     compile_if_it_pays: bool = False  # a bucket of few rounds runs uncompiled (engine.compile absent)
+    context_parallel: bool = False  # MLA latents split across the ranks by token (backends/latent_split.py)
 
     def describe(self) -> str:
         graphs = f"on, sizes {self.capture_sizes}" if self.cuda_graphs else "off"
         padded = f", rounds padded to {self.capture_sizes}" if self.capture_sizes and not self.cuda_graphs else ""
         compiled = ("where it pays" if self.compile_if_it_pays else "on") if self.compile else "off"
-        return (f"engine: device={self.device} backend={self.backend} kernels={self.kernels} cuda_graphs={graphs} "
-                f"compile={compiled}{padded}")
+        split = " context_parallel=on" if self.context_parallel else ""
+        return (f"engine: device={self.device} backend={self.backend}{split} kernels={self.kernels} "
+                f"cuda_graphs={graphs} compile={compiled}{padded}")
 
 
 @dataclass(frozen=True)
@@ -160,6 +163,10 @@ def resolve_engine(job: Job, cuda: bool | None = None, flashinfer: bool | None =
         raise JobError(f"engine.compile: true cannot take effect: {why_no_compile}")
     compiled = why_no_compile is None if e.compile is None else e.compile
 
+    why_no_split = _why_no_split(job, target_ckpt, drafter_ckpt, backend)
+    if e.context_parallel and why_no_split:
+        raise JobError(f"engine.context_parallel: true cannot take effect: {why_no_split}")
+
     largest = max(b.max_num_seqs or e.max_num_seqs for b in job.resolved_buckets())
     sizes = e.cudagraph_capture_sizes
     if sizes is not None and not graphs:
@@ -170,7 +177,24 @@ def resolve_engine(job: Job, cuda: bool | None = None, flashinfer: bool | None =
         if sizes[-1] < largest:
             raise JobError(f"engine.cudagraph_capture_sizes {sizes} must reach every bucket's max_num_seqs "
                            f"(the largest is {largest})")
-    return EngineSetup(device, backend, graphs, compiled, sizes, kernels, compiled and e.compile is None)
+    return EngineSetup(device, backend, graphs, compiled, sizes, kernels, compiled and e.compile is None,
+                       e.context_parallel)
+
+
+def _why_no_split(job: Job, target: _Checkpoint, drafter: _Checkpoint | None, backend: str) -> str | None:
+    """Why the MLA latents cannot be split across this job's ranks (None: they can)."""
+    tp, ps = job.model.tensor_parallel_size, job.engine.page_size
+    if target.architecture != KIMI_K3:
+        return f"it splits MLA latent caches, and {target.architecture} keeps GQA caches (split by head already)"
+    if drafter and not drafter.mla:
+        return "model.drafter keeps GQA caches (split by head already), not MLA latents"
+    if tp == 1:
+        return "tensor_parallel_size is 1: there are no ranks to split across"
+    if ps % tp:
+        return f"engine.page_size {ps} is not a multiple of tensor_parallel_size {tp} (a page splits evenly)"
+    if backend != "torch":
+        return "the flashinfer backend has no latent split yet (engine.backend: torch runs it, on the CPU)"
+    return None
 
 
 def use_compile_cache(job: Job) -> Path:
@@ -196,8 +220,10 @@ def _attention(setup: EngineSetup):
         from dflash_batch.backends.flashinfer_attention import FlashInferAttention
 
         return FlashInferAttention(setup.device)
-    from dflash_batch.backends.torch_attention import TORCH
+    from dflash_batch.backends.torch_attention import TORCH, TorchAttention
 
+    if setup.context_parallel:
+        return TorchAttention(LatentSplit(parallel.world_size(), parallel.rank()))
     return TORCH
 
 

@@ -148,6 +148,12 @@ class EngineSpec(_Strict):
     backend: Literal["auto", "torch", "flashinfer"] = Field(
         "auto", description="Attention backend. auto: flashinfer on a CUDA host that has it, for GQA "
         "models; else torch (torch: the CPU reference path, even on a CUDA host).")
+    context_parallel: bool = Field(
+        False, description="Split every sequence's MLA latent caches (Kimi-K3's and the DFlash2-MLA drafter's) "
+        "across the tensor-parallel ranks by token: each rank keeps 1/tensor_parallel_size of them, so a GPU "
+        "holds more sequences (dflash-batch plan shows how many), for two collectives per MLA layer. Needs an "
+        "MLA target and drafter, tensor_parallel_size > 1 dividing page_size, and the torch backend (the "
+        "flashinfer backend has no split yet); refused elsewhere.")
     cuda_graphs: bool | None = Field(
         None, description="Capture the decode round as CUDA graphs. Absent: on where they can run (a "
         "CUDA device, a Qwen3 target, one rank); true where they cannot is refused.")
@@ -397,7 +403,8 @@ class Job(_Strict):
 # Settings that decide how fast outputs are made, never what they are (allow_empty only lets an
 # empty file through: it adds no row).
 TUNING: dict[str, set[str]] = {
-    "engine": {"max_num_seqs", "max_num_batched_tokens", "share_prompts", "backend", "cuda_graphs", "compile",
+    "engine": {"max_num_seqs", "max_num_batched_tokens", "share_prompts", "backend", "context_parallel",
+               "cuda_graphs", "compile",
                "cudagraph_capture_sizes", "cache_dir"},
     "input": {"workers", "allow_empty"},
     "output": {"dir", "rows_per_part", "flush_seconds", "max_error_fraction"},  # the last: the exit code only

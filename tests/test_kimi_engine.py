@@ -119,22 +119,41 @@ def test_state_slots_start_clean_when_reused(pairs):
 @pytest.mark.numerics
 @pytest.mark.slow
 @pytest.mark.no_rerun
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
-def test_tp2_equals_tp1(tmp_path, graphs):
+@pytest.mark.parametrize("graphs,latent_split", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["eager", "graphs", "eager, latent split", "graphs, latent split"])
+def test_tp2_equals_tp1(tmp_path, graphs, latent_split):
     # Each rank holds 2 of 4 KDA heads, 2 of 4 MLA heads (target and drafter), half of every
     # expert's intermediate width (32 columns of each packed MXFP4 w2: whole scale groups) and 48
     # of the 96 vocabulary rows, each half holding likely tokens (`slices`), so greedy tokens and
     # the drafter's candidates come from both ranks. `graphs`: the ranks run the engine's graph path
     # (captures and replays emulated: tests/emulated_graphs.py), against one process decoding eagerly.
     # The ranks gather and sample the verify rows of two sequences at a time (engine/choice.py; 3
-    # sequences: an uneven last group), the one process all at once.
+    # sequences: an uneven last group), the one process all at once. `latent_split`: each rank keeps
+    # the MLA latents (target's, drafter's, its rings of 6 + 8 positions) of every other position:
+    # prompts of 1, 37 and 20 tokens (ranks keep unequal counts), 3 to 5 pages of 16 a sequence.
     target, drafter = make_kimi_pair(tmp_path / "pair", stream="attn_res", moe_intermediate_size=64, slices=2)
     prompts = random_prompts([1, 37, 20], vocab=VOCAB, seed=6)
     runs = {"greedy": dict(max_new_tokens=24),
             "sampled": dict(max_new_tokens=24, temperature=1.0, top_p=0.95),
             "logprobs": dict(max_new_tokens=12, temperature=0.8, top_k=5, logprobs=2)}
     engine_tp_worker.assert_tp2_equals_tp1(str(target), str(drafter), prompts, runs, str(tmp_path), free_port(),
-                                           graphs, group_rows=16)
+                                           graphs, group_rows=16, latent_split=latent_split)
+
+
+@pytest.mark.numerics
+@pytest.mark.slow
+@pytest.mark.no_rerun
+def test_tp4_latent_split_equals_tp1(tmp_path):
+    # Four ranks each keep every fourth position's MLA latents: one of 4 MLA and KDA heads a rank,
+    # 32 of each expert's 128 intermediate columns (a whole MXFP4 scale group), 80 of 320
+    # vocabulary rows, each slice holding likely tokens. Prompts of 2, 45 and 23 tokens.
+    target, drafter = make_kimi_pair(tmp_path / "pair", stream="attn_res", vocab_size=320, moe_intermediate_size=128,
+                                     slices=4)
+    prompts = random_prompts([2, 45, 23], vocab=320, seed=7)
+    runs = {"greedy": dict(max_new_tokens=20),
+            "logprobs": dict(max_new_tokens=12, temperature=0.8, top_p=0.9, logprobs=2)}
+    engine_tp_worker.assert_tp2_equals_tp1(str(target), str(drafter), prompts, runs, str(tmp_path), free_port(),
+                                           ranks=4, latent_split=True)
 
 
 # -- pairing ---------------------------------------------------------------------------------------

@@ -42,9 +42,10 @@ def make_cli_kimi_pair(directory: Path) -> tuple[Path, Path]:
 
 
 def kimi_job(tmp_path: Path, pair: tuple[Path, Path], out: str, rows: int = 8, tp: int = 1,
-             max_new_tokens: int = 24, rows_per_part: int = 2) -> Path:
+             max_new_tokens: int = 24, rows_per_part: int = 2, context_parallel: bool = False) -> Path:
     """Token-id prompts, every other row sampled (temperature 1, top-p 0.95, 2 samples) and the
-    rest greedy, with logprobs: one run covers both decoding modes."""
+    rest greedy, with logprobs: one run covers both decoding modes. `context_parallel`: the ranks
+    split the MLA latents by token."""
     target, drafter = pair
     data = [{"id": f"r{i}", "ids": [(7 * i + 3 * j) % 250 + 3 for j in range(5 + 9 * (i % 4))],
              "temperature": 1.0 if i % 2 else 0.0} for i in range(rows)]
@@ -54,7 +55,7 @@ def kimi_job(tmp_path: Path, pair: tuple[Path, Path], out: str, rows: int = 8, t
                           "sampling_columns": {"temperature": "temperature"}},
                    sampling={"max_new_tokens": max_new_tokens, "top_p": 0.95, "n": 2, "seed": 3, "logprobs": 2},
                    output={"dir": out, "rows_per_part": rows_per_part})
-    doc["engine"].update(max_num_seqs=3, compile=False)
+    doc["engine"].update(max_num_seqs=3, compile=False, context_parallel=context_parallel)
     write_job(tmp_path, doc, f"{out}.yaml")
     return tmp_path / f"{out}.yaml"
 
@@ -106,8 +107,9 @@ def tp1(pair, tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-def test_tp4_across_two_nodes_equals_tp1(pair, tp1, tmp_path):
-    job = kimi_job(tmp_path, pair, "out", tp=4)
+@pytest.mark.parametrize("context_parallel", [False, True], ids=["heads split", "latents split too"])
+def test_tp4_across_two_nodes_equals_tp1(pair, tp1, tmp_path, context_parallel):
+    job = kimi_job(tmp_path, pair, "out", tp=4, context_parallel=context_parallel)
     port = free_port()
     nodes = [torchrun_node(n, port, job) for n in (0, 1)]
     logs = [p.communicate(timeout=900)[0] for p in nodes]
@@ -119,6 +121,7 @@ def test_tp4_across_two_nodes_equals_tp1(pair, tp1, tmp_path):
     assert greedy and all(r["spec_histogram"] for r in rows)  # both modes ran, and speculated
     assert_every_slice_decoded([t for r in greedy for t in r["response_token_ids"]], VOCAB, 4)
     assert "rows committed this run" in logs[0] and "rows committed this run" not in logs[1]  # rank 0 reports
+    assert ("context_parallel=on" in logs[0]) == context_parallel
 
 
 @pytest.mark.slow

@@ -1,0 +1,93 @@
+"""The latent split on the torch backend (backends/latent_split.py), against attention over whole
+caches, in float64 on 2 and 4 gloo ranks: each rank keeps exactly the rows of its positions, and
+prefill chunks, a verify block (causal), a drafter's non-causal sliding block, padded sequences and
+attention read block by block all give what one process gives, to rounding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dflash_batch.backends import torch_attention
+from dflash_batch.backends.latent_split import LatentSplit
+from dflash_batch.backends.torch_attention import TORCH, TorchAttention
+from dflash_batch.engine.cache import SeqRows, build_meta
+from tests.test_tp import free_port
+
+HEADS, WIDTH, V_WIDTH, PAGE = 4, 24, 16, 16
+PAGES = [list(range(0, 5)), list(range(5, 10))]  # two sequences' pages; page 10 is scratch
+SLOTS = 11 * PAGE
+# (name, rows of each sequence: (start, count, kv_len), causal, window): lengths not divisible by
+# the ranks, a sequence of one token (some ranks keep none of it), uneven query counts (padding).
+FORWARDS = [
+    ("prefill", [(0, 37, 37), (0, 1, 1)], True, None),
+    ("chunk", [(37, 21, 58), (1, 9, 10)], True, None),
+    ("verify", [(58, 8, 66), (10, 8, 18)], True, None),
+    ("verify, window 6", [(66, 8, 74), (18, 8, 26)], True, 6),
+    ("draft block, non-causal window 6", [(66, 8, 74), (18, 8, 26)], False, 6),
+    ("draft block, non-causal", [(66, 8, 74), (18, 8, 26)], False, None),
+]
+
+
+def metas(backend):
+    return [(name, build_meta([SeqRows(p, *r) for p, r in zip(PAGES, rows)], PAGE, backend=backend), causal, window)
+            for name, rows, causal, window in FORWARDS]
+
+
+def data(meta, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    T = meta.num_rows
+    return (torch.randn(T, 1, WIDTH, generator=g, dtype=torch.float64),
+            torch.randn(T, HEADS, WIDTH, generator=g, dtype=torch.float64))
+
+
+def whole() -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Each forward's output over a whole cache, in one process, and the cache at the end."""
+    cache = torch.zeros(SLOTS, 1, WIDTH, dtype=torch.float64)
+    outs = []
+    for step, (_, meta, causal, window) in enumerate(metas(TORCH)):
+        rows, q = data(meta, step)
+        TORCH.write(cache, meta, rows)
+        outs.append(TORCH.attend_latent(q, cache, V_WIDTH, meta, 0.3, causal, window))
+    return outs, cache
+
+
+def rank_run(rank: int, ways: int, port: int, out_dir: str, scores_limit: int) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ways)
+    try:
+        torch_attention.SCORES_LIMIT = scores_limit  # small: keys are read a block at a time
+        split = LatentSplit(ways, rank)
+        backend = TorchAttention(split)
+        cache = torch.zeros(split.rows(SLOTS), 1, WIDTH, dtype=torch.float64)
+        h = HEADS // ways
+        outs = []
+        for step, (_, meta, causal, window) in enumerate(metas(backend)):
+            rows, q = data(meta, step)
+            backend.write(cache, meta, rows)
+            outs.append(backend.attend_latent(q[:, rank * h:(rank + 1) * h], cache, V_WIDTH, meta, 0.3, causal, window))
+        torch.save({"outs": outs, "cache": cache}, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("ways,scores_limit", [(2, 1 << 24), (4, 1 << 24), (2, 256)],
+                         ids=["2 ranks", "4 ranks", "2 ranks, blocks of keys"])
+def test_split_attention_equals_whole(tmp_path, ways, scores_limit):
+    want, cache = whole()
+    mp.spawn(rank_run, args=(ways, free_port(), str(tmp_path), scores_limit), nprocs=ways)
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(ways)]
+    for r, part in enumerate(got):
+        # Rank r keeps exactly the slots s with s mod ways == r, at row s div ways (the scratch page aside).
+        torch.testing.assert_close(part["cache"][:-PAGE // ways], cache[r:-PAGE:ways], rtol=0, atol=0)
+    for i, (name, *_) in enumerate(FORWARDS):
+        heads = torch.cat([part["outs"][i] for part in got], dim=1)
+        torch.testing.assert_close(heads, want[i], rtol=0, atol=1e-12, msg=name)
+
+
+def test_a_split_needs_pages_that_split_evenly():
+    with pytest.raises(ValueError, match="does not split 3 ways"):
+        LatentSplit(3, 0).rows(SLOTS)
