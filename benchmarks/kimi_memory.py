@@ -12,6 +12,16 @@ split across the ranks, attention data-parallel) sends each token's latent row t
 top-k experts and back: 2 * min(top_k, ranks) * latent bytes a token a MoE layer, from the rank
 holding the token only.
 
+Context parallelism (engine.context_parallel: the MLA latents split across the group by token)
+adds, per MLA layer and token (the target's full-attention layers on the verify tokens, the
+drafter's layers on its block), a gather of every rank's query heads (heads x (512 + 64) bf16),
+the reduce-scatter of the float32 outputs weighted by their log-sum-exps (heads x 512 x 4) and
+a gather of the log-sum-exps (heads x ranks x 4): an all-gather or reduce-scatter of M bytes costs
+each GPU (g-1)/g M over NVLink and (N-1)/N M/g over its NIC, half an all-reduce; latency three
+collectives a layer. What it frees: each sequence's latents on every rank but 1/TP (the plan's
+caches per sequence, split and not). It pays while its milliseconds stay below what the extra
+sequences are worth at the same HBM floor: floor x (seqs with / seqs without - 1).
+
 usage: python benchmarks/kimi_memory.py
 """
 
@@ -30,6 +40,7 @@ DRAFTER = load_config(JOBS / "models/lightseekorg/kimi-k3-dflash2")
 H, LATENT, TOP_K = TARGET["hidden_size"], TARGET["routed_expert_hidden_size"], TARGET["num_experts_per_token"]
 LAYERS, MOE_LAYERS, DRAFT_LAYERS = TARGET["num_hidden_layers"], moe_layers(TARGET), DRAFTER["num_hidden_layers"]
 BLOCK, BF16 = DRAFTER["dflash_config"]["block_size"], 2
+MLA_LAYERS = len(TARGET["linear_attn_config"]["full_attn_layers"])
 # Per GPU, one direction, GB/s: NVLink 4 (H200) and 5 (GB300); a 400 Gb/s NIC; HBM3e.
 NVLINK = {"h200": 450, "gb300": 900}
 IB, HBM = 50, {"h200": 4800, "gb300": 8000}
@@ -75,6 +86,35 @@ def main() -> None:
             ep_ib = ep * (nodes - 1) / nodes / (IB * 1e9) * 1e3 if nodes > 1 else 0.0
             print(f"{label:<22} {rows:>5} {m * 2 * (g - 1) / g / 1e6:>8.1f} {nvlink:>9.2f} {ib:>6.2f} "
                   f"{latency:>10.2f} {floor:>12.2f} {ep / 1e6:>10.1f} {ep_ib:>8.2f}")
+
+    print("\ncontext parallelism: what the latent split adds a round, against the memory it frees "
+          "(plan at the job's TP; rows: the largest batch the split fits)")
+    print(f"{'setup':<22} {'rows':>5} {'KB/token':>8} {'MB/rank':>8} {'NVLink ms':>9} {'IB ms':>6} {'latency ms':>10} "
+          f"{'HBM floor ms':>12} {'freed MB/seq':>12} {'seqs w/o':>8} {'seqs with':>9} {'pays below ms':>13}")
+    for label, gpu, tp, nodes, name in (("TP8, 1 GB300 node", "gb300", 8, 1, "kimi-k3-dflash2.yaml"),
+                                        ("TP16, 2 H200 nodes", "h200", 16, 2, "kimi-k3-dflash2-h200.yaml")):
+        plan = plan_job(load_job(JOBS / name), JOBS, gpu_bytes(gpu), tp=tp)
+        need, (split, with_split) = plan.buckets[0], plan.split[0]
+        freed = (need.caches - split.caches) / need.bucket.max_num_seqs
+        per_token = cp_bytes_per_token(tp)
+        g = tp // nodes
+        m = with_split * BLOCK * per_token
+        nvlink = (g - 1) / g * m / (NVLINK[gpu] * 1e9) * 1e3
+        ib = (nodes - 1) / nodes * m / g / (IB * 1e9) * 1e3 if nodes > 1 else 0.0
+        latency = 3 * (MLA_LAYERS + DRAFT_LAYERS) * LATENCY_US["ib" if nodes > 1 else "nvlink"] / 1e3
+        floor = sum(plan.weights.values()) / (HBM[gpu] * 1e9) * 1e3
+        pays = floor * (with_split / plan.largest[0] - 1)
+        print(f"{label:<22} {with_split:>5} {per_token / 1e3:>8.0f} {m * (g - 1) / g / 1e6:>8.0f} {nvlink:>9.2f} "
+              f"{ib:>6.2f} {latency:>10.2f} {floor:>12.2f} {freed / 1e6:>12.0f} {plan.largest[0]:>8} {with_split:>9} "
+              f"{pays:>13.1f}")
+
+
+def cp_bytes_per_token(ranks: int) -> int:
+    """Bytes the latent split gathers and reduce-scatters a token of a round (target verify + drafter block)."""
+    def layer(config: dict) -> int:
+        heads, latent, rope = config["num_attention_heads"], config["kv_lora_rank"], config["qk_rope_head_dim"]
+        return heads * ((latent + rope) * BF16 + latent * 4 + ranks * 4)
+    return MLA_LAYERS * layer(TARGET) + DRAFT_LAYERS * layer(DRAFTER)
 
 
 if __name__ == "__main__":

@@ -335,8 +335,10 @@ def validate(job_file: str, no_inputs: bool) -> None:
 @click.option("--gpus-per-node", type=int, default=8, show_default=True)
 @click.option("--tensor-parallel", type=int, help="Plan at this many ranks (default: the job's).")
 @click.option("--reserve-gb", type=float, help="Memory no tensor shows (default: 6% of the GPU, at least 8 GB).")
+@click.option("--acc-len", type=float, default=4.6, show_default=True,
+              help="Acceptance length for the bandwidth ceiling (the model card's MATH-500 figure).")
 def plan_command(job_file: str, gpu_memory: str | None, gpus_per_node: int, tensor_parallel: int | None,
-                 reserve_gb: float | None) -> None:
+                 reserve_gb: float | None, acc_len: float) -> None:
     """Memory per rank of JOB_FILE on a GPU, from its checkpoints' config.json alone (models built
     on the meta device): weights, each bucket's caches and activations, the largest max_num_seqs
     that fits, the smallest tensor-parallel size that fits. The plan is for a CUDA GPU with the gpu
@@ -346,7 +348,7 @@ def plan_command(job_file: str, gpu_memory: str | None, gpus_per_node: int, tens
 
     try:
         for option, value, least in (("--gpus-per-node", gpus_per_node, 1), ("--tensor-parallel", tensor_parallel, 1),
-                                     ("--reserve-gb", reserve_gb, 0)):
+                                     ("--reserve-gb", reserve_gb, 0), ("--acc-len", acc_len, 1)):
             if value is not None and not least <= value < float("inf"):
                 raise JobError(f"{option} {value}: give a number of {least} or more")
         job = load_job(job_file)
@@ -359,7 +361,8 @@ def plan_command(job_file: str, gpu_memory: str | None, gpus_per_node: int, tens
             raise JobError(f"--gpu-memory: {e}") from None
         reserve = None if reserve_gb is None else int(reserve_gb * 10**9)
         job_dir = Path(job_file).parent
-        plan = plan_job(job, job_dir, gpu, tensor_parallel, reserve)
+        plan = plan_job(job, job_dir, gpu, tensor_parallel, reserve, gpu_kind=str(memory).strip().lower(),
+                        acc_len=acc_len)
         click.echo(plan.table())
         nodes = -(-plan.tp // gpus_per_node)
         click.echo(f"TP{plan.tp}: {nodes} node(s) of {gpus_per_node} GPUs a tensor-parallel group")

@@ -34,6 +34,7 @@ from dflash_batch.job import Job, JobError, gpu_bytes
 from dflash_batch.models import activations
 from dflash_batch.models.loader import build_model
 from dflash_batch.plan.buckets import Bucket, plan_buckets
+from dflash_batch.plan.ceiling import CARD_ACC_LEN, HBM_TBPS, Ceiling, ceiling
 
 GB = 10**9
 TP_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
@@ -74,6 +75,7 @@ class BucketNeed:
     round: int          # the round's activations at the bucket's largest padded size
     graphs: bool        # the round's memory is a CUDA-graph pool held for the bucket
     parts: dict[str, int] = dataclasses.field(default_factory=dict)  # the caches by component
+    block: int = 1      # tokens a sequence verifies a round
 
     @property
     def total(self) -> int:
@@ -90,6 +92,12 @@ class Plan:
     buckets: list[BucketNeed]
     largest: list[int]           # the largest max_num_seqs that fits, per bucket (0: not even one)
     notes: list[str]
+    # With the MLA latents split across the ranks (engine.context_parallel): each bucket's needs at
+    # its max_num_seqs and the largest that fits (None: the pair or TP size cannot split).
+    split: list[tuple[BucketNeed, int]] | None = None
+    # Per bucket, the bandwidth ceiling at the largest batch that fits: (without, with the split).
+    ceilings: list[tuple[Ceiling | None, Ceiling | None]] | None = None
+    acc_len: float = CARD_ACC_LEN
 
     @property
     def base(self) -> int:
@@ -116,8 +124,22 @@ class Plan:
             lines.append(f"  {b.name:<14} {b.max_num_seqs:>5} {need.caches / GB:>8.2f} {need.batch / GB:>7.3f} "
                          f"{need.prefill / GB:>8.2f} {need.round / GB:>8.2f} {(self.base + need.total) / GB:>8.2f} "
                          f"{'yes' if self.holds(need) else 'NO':>5} {largest:>12}")
-            lines.append("    caches: " + ", ".join(f"{name} {size / GB:.2f}" for name, size in need.parts.items()))
+            lines.append("    caches: " + _parts(need))
+        for i, need in enumerate(self.buckets):
+            lines.append(f"  bucket {need.bucket.name}:")
+            if self.split:
+                split, largest = self.split[i]
+                lines.append(f"    latents split {self.tp} ways (engine.context_parallel): caches "
+                             f"{split.caches / GB:.2f} at {split.bucket.max_num_seqs} seqs ({_parts(split)}); largest "
+                             f"seqs {largest} (without: {self.largest[i]})")
+            for label, c in zip(("without the split", "with the split"), self.ceilings[i] if self.ceilings else ()):
+                if c is not None:
+                    lines.append(f"    bandwidth ceiling, {label}: {c.describe(self.acc_len)}")
         return "\n".join(lines)
+
+
+def _parts(need: BucketNeed) -> str:
+    return ", ".join(f"{name} {size / GB:.2f}" for name, size in need.parts.items())
 
 
 def cache_parts(models: dict[str, torch.nn.Module | None]) -> dict[str, int]:
@@ -142,8 +164,9 @@ _COMPONENTS = {("GatedMLA", "cache"): "MLA latent", ("KDA", "state"): "KDA state
 class _Sizer:
     """The job's models on the meta device at one tensor-parallel size, and an engine over them."""
 
-    def __init__(self, job: Job, job_dir: Path, tp: int, setup: EngineSetup | None):
-        self.job, self.tp = job, tp
+    def __init__(self, job: Job, job_dir: Path, tp: int, setup: EngineSetup | None, latent_split: bool = False):
+        """`latent_split`: size the MLA latents split across the ranks by token (engine.context_parallel)."""
+        self.job, self.tp, self.split = job, tp, tp if latent_split else 1
         self.notes: list[str] = []
         paths = {}
         for role in ("target", "drafter"):
@@ -166,7 +189,8 @@ class _Sizer:
             attach_drafter(self.target, self.drafter)
         self.engine = Engine(self.target, self.drafter, page_size=job.engine.page_size,
                              max_num_batched_tokens=job.engine.max_num_batched_tokens, dtype=dtype, device="meta",
-                             attention=_Planned(self.setup.backend), capture_sizes=self.setup.capture_sizes)
+                             attention=_Planned(self.setup.backend, self.split),
+                             capture_sizes=self.setup.capture_sizes)
         with parallel.planned(tp):
             torch_kernels = self.setup.kernels == "torch"
             self.widths = {m: activations.widths(m, self.dtype_bytes, torch_kernels)
@@ -201,7 +225,7 @@ class _Sizer:
                 state += _bytes(one) + self._grammar(one)
                 round_ += self._round(batch.rows, 1, keys) if self.setup.cuda_graphs else 0
             return BucketNeed(bucket, caches, state, self._prefill(bucket, block), round_, self.setup.cuda_graphs,
-                              parts)
+                              parts, block)
 
     def _grow(self, batch: DecodeBatch) -> None:
         """What the job's rows may ask for that the batch keeps for every row (the job's sampling,
@@ -224,7 +248,14 @@ class _Sizer:
                                                         bucket.max_tokens, torch_attention)
         if block > 1:  # the drafter writes the chunk's context from its taps
             need += tokens * self.widths[self.drafter].layer
-        return need
+        return need + self._split_bytes(self.target, tokens)
+
+    def _split_bytes(self, model: torch.nn.Module, tokens: int) -> int:
+        """A split MLA layer's gathered heads and merge (none without a split)."""
+        if self.split == 1:
+            return 0
+        with parallel.planned(self.tp):
+            return activations.latent_split_bytes(model, self.dtype_bytes, tokens)
 
     def _round(self, rows: int, block: int, keys: int) -> int:
         # Under CUDA graphs the sampled rounds are captured too (one pool for both), whatever the job.
@@ -236,11 +267,11 @@ class _Sizer:
         group = min(tokens, max(block, choice.group_rows(self.engine.vocab_size))) if sampled else 0
         verify = activations.forward_bytes(self.widths[self.target], tokens, tokens, group, rows, keys,
                                            torch_attention)
-        verify += activations.sampling_bytes(self.widths[self.target], group)
+        verify += activations.sampling_bytes(self.widths[self.target], group) + self._split_bytes(self.target, tokens)
         if block == 1:
             return verify
         draft = activations.forward_bytes(self.widths[self.drafter], tokens, rows * (block - 1), 0, rows,
-                                          keys, torch_attention)
+                                          keys, torch_attention) + self._split_bytes(self.drafter, tokens)
         return max(verify, draft)
 
 
@@ -267,10 +298,12 @@ def _bytes(batch: DecodeBatch) -> int:
 
 
 def plan_job(job: Job, job_dir: Path, gpu: int, tp: int | None = None, reserve: int | None = None,
-             setup: EngineSetup | None = None) -> Plan:
+             setup: EngineSetup | None = None, gpu_kind: str | None = None, acc_len: float = CARD_ACC_LEN) -> Plan:
     """The job's memory per rank at `tp` ranks (default: the job's), and the largest max_num_seqs
-    per bucket that fits a GPU of `gpu` bytes. `setup`: the engine settings to size (default: what
-    a CUDA host with the gpu extra runs, GPU_HOST)."""
+    per bucket that fits a GPU of `gpu` bytes, without and (where the pair and TP size allow)
+    with the MLA latents split across the ranks; on a known `gpu_kind` (HBM_TBPS), each bucket's
+    bandwidth ceiling at those batches. `setup`: the engine settings to size (default: what a
+    CUDA host with the gpu extra runs, GPU_HOST)."""
     tp = job.model.tensor_parallel_size if tp is None else tp
     if tp < 1:
         raise JobError(f"a tensor-parallel size of {tp}: give 1 or more ranks")
@@ -278,9 +311,41 @@ def plan_job(job: Job, job_dir: Path, gpu: int, tp: int | None = None, reserve: 
     weights, fixed = sizer.weights(), sizer.fixed(gpu, reserve)
     base = sum(weights.values()) + sum(fixed.values())
     buckets = plan_buckets(job)
-    largest = [_largest(lambda s, b=b: base + sizer.need(dataclasses.replace(b, max_num_seqs=s)).total <= gpu)
-               for b in buckets]
-    return Plan(tp, gpu, weights, fixed, [sizer.need(b) for b in buckets], largest, sizer.notes)
+    def largest_of(s: _Sizer) -> list[int]:
+        return [_largest(lambda n, b=b: base + s.need(dataclasses.replace(b, max_num_seqs=n)).total <= gpu)
+                for b in buckets]
+
+    largest = largest_of(sizer)
+    needs = [sizer.need(b) for b in buckets]
+    split_sizer = _Sizer(job, job_dir, tp, sizer.setup, latent_split=True) if _splits(job, sizer) else None
+    split = list(zip([split_sizer.need(b) for b in buckets], largest_of(split_sizer))) if split_sizer else None
+    ceilings = None
+    if gpu_kind in HBM_TBPS:
+        ceilings = [(_ceiling(sizer, weights, b, n, gpu_kind, acc_len),
+                     _ceiling(split_sizer, weights, b, split[i][1], gpu_kind, acc_len) if split else None)
+                    for i, (b, n) in enumerate(zip(buckets, largest))]
+    return Plan(tp, gpu, weights, fixed, needs, largest, sizer.notes, split, ceilings, acc_len)
+
+
+def _splits(job: Job, sizer: _Sizer) -> bool:
+    """Whether the pair's caches can split across this plan's ranks by token (build.py's
+    engine.context_parallel rules, whatever backend runs it)."""
+    drafter_latent = sizer.drafter is None or sizer.drafter.latent
+    return (sizer.tp > 1 and job.engine.page_size % sizer.tp == 0 and hasattr(sizer.target, "allocate_state")
+            and drafter_latent)
+
+
+def _ceiling(sizer: _Sizer, weights: dict[str, int], bucket: Bucket, seqs: int, kind: str,
+             acc_len: float) -> Ceiling | None:
+    """The bucket's bandwidth ceiling at `seqs` sequences (None: not even one fits)."""
+    if seqs == 0:
+        return None
+    need = sizer.need(dataclasses.replace(bucket, max_num_seqs=seqs))
+    routed = weights.get("target weights uint8 (MXFP4 packed)", 0)  # the routed experts, packed
+    config = sizer.target.config.get("text_config", sizer.target.config)
+    experts = (config.get("num_experts", 0), config.get("num_experts_per_token", 0)) if routed else (0, 0)
+    return ceiling(seqs, need.block, sizer.tp, sum(weights.values()) - routed, routed, need.caches, HBM_TBPS[kind],
+                   acc_len, *experts)
 
 
 def _largest(fits, limit: int = 1 << 14) -> int:

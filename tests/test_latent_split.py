@@ -25,6 +25,7 @@ SLOTS = 11 * PAGE
 # the ranks, a sequence of one token (some ranks keep none of it), uneven query counts (padding).
 FORWARDS = [
     ("prefill", [(0, 37, 37), (0, 1, 1)], True, None),
+    ("prefill, window 6 (a context shorter than window + queries)", [(0, 9, 9), (0, 1, 1)], True, 6),
     ("chunk", [(37, 21, 58), (1, 9, 10)], True, None),
     ("verify", [(58, 8, 66), (10, 8, 18)], True, None),
     ("verify, window 6", [(66, 8, 74), (18, 8, 26)], True, 6),
@@ -46,14 +47,34 @@ def data(meta, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def whole() -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Each forward's output over a whole cache, in one process, and the cache at the end."""
+    """Each forward's output over a whole cache, in one process, and the cache at the end; each
+    output checked against softmax attention written out query by query from the masking rules."""
     cache = torch.zeros(SLOTS, 1, WIDTH, dtype=torch.float64)
     outs = []
-    for step, (_, meta, causal, window) in enumerate(metas(TORCH)):
+    for step, (name, meta, causal, window) in enumerate(metas(TORCH)):
         rows, q = data(meta, step)
         TORCH.write(cache, meta, rows)
         outs.append(TORCH.attend_latent(q, cache, V_WIDTH, meta, 0.3, causal, window))
+        torch.testing.assert_close(outs[-1], by_hand(q, cache, meta, causal, window), rtol=0, atol=1e-12, msg=name)
     return outs, cache
+
+
+def by_hand(q: torch.Tensor, cache: torch.Tensor, meta, causal: bool, window: int | None) -> torch.Tensor:
+    """Query at position p of a sequence sees its keys k < kv_len, k <= p if causal, and within the
+    window (|p - k| < window on both sides when not causal)."""
+    out = torch.zeros(q.shape[0], HEADS, V_WIDTH, dtype=torch.float64)
+    for b, pages in enumerate(PAGES):
+        kv_len = int(meta.kv_lens[b])
+        keys = torch.stack([cache[pages[k // PAGE] * PAGE + k % PAGE, 0] for k in range(kv_len)])
+        for j, p in enumerate(meta.q_positions[b].tolist()):
+            if p < 0:
+                continue
+            seen = [k for k in range(kv_len) if (not causal or k <= p) and (window is None or p - k < window)
+                    and (window is None or causal or k - p < window)]
+            row = int(meta.q_index[b, j])
+            weights = torch.softmax(q[row] @ keys[seen].T * 0.3, dim=-1)
+            out[row] = weights @ keys[seen, :V_WIDTH]
+    return out
 
 
 def rank_run(rank: int, ways: int, port: int, out_dir: str, scores_limit: int) -> None:

@@ -24,7 +24,8 @@ from click.testing import CliRunner
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from dflash_batch import parallel
-from dflash_batch.backends.torch_attention import TORCH
+from dflash_batch.backends.latent_split import LatentSplit
+from dflash_batch.backends.torch_attention import TORCH, TorchAttention
 from dflash_batch.build import EngineSetup
 from dflash_batch.cli import main
 from dflash_batch.engine import choice
@@ -35,6 +36,7 @@ from dflash_batch.kernels import _triton, kda, moe_mxfp4, ops
 from dflash_batch.models import activations
 from dflash_batch.models.loader import load_model
 from dflash_batch.plan.buckets import plan_buckets
+from dflash_batch.plan.ceiling import ceiling, experts_touched
 from dflash_batch.plan.memory import planned_expert_bytes
 from dflash_batch.sizing import GB, default_reserve, plan_job
 from dflash_batch.testing.kimi import make_kimi_checkpoint
@@ -431,3 +433,60 @@ def test_the_plan_shows_each_buckets_caches_by_component():
         b = need.bucket
         assert rest == 0 and b.max_num_seqs * b.max_tokens <= slots <= (b.max_num_seqs + 1) * (b.max_tokens + 64)
     assert "    caches: target MLA latent 10.89, target KDA state 1.42," in plan.table()
+
+
+def test_the_split_caches_are_the_bytes_a_split_engine_allocates(jobs, tmp_path, monkeypatch):
+    """The Kimi job at TP2 with the MLA latents split: what rank 0 of an engine whose backend splits
+    them holds after each speculating bucket is the plan's split bucket, the MLA latents (the
+    target's, the drafter's) half the unsplit plan's and the KDA states as they were."""
+    job = jobs["kimi"]
+    plan = plan_job(job, tmp_path, 80 * GB, tp=2, setup=CPU)
+    assert plan.split is not None
+    monkeypatch.setattr(parallel, "world_size", lambda: 2)
+    target, drafter = load_pair(Path(job.model.target), Path(job.model.drafter))
+    engine = Engine(target, drafter, page_size=job.engine.page_size, device="cpu",
+                    max_num_batched_tokens=job.engine.max_num_batched_tokens,
+                    attention=TorchAttention(LatentSplit(2, 0)), capture_sizes=CPU.capture_sizes)
+    held = 0
+    for whole, (split, largest) in zip(plan.buckets, plan.split):
+        assert split.parts["target MLA latent"] * 2 == whole.parts["target MLA latent"]
+        if whole.bucket.speculation:
+            assert split.parts["drafter latent and rings"] * 2 == whole.parts["drafter latent and rings"]
+        assert split.parts["target KDA state"] == whole.parts["target KDA state"]
+        _, allocated, _ = allocator(lambda: engine.allocate(split.bucket))
+        held += allocated  # less the previous bucket's, freed
+        assert held == split.caches + split.batch, split.bucket.name
+        assert largest >= plan.largest[plan.buckets.index(whole)]
+
+
+def test_the_production_plans_hold_more_sequences_with_the_split_and_show_the_ceiling():
+    """Issue 39's figures: with the latents split, the 8k bucket holds at least 4x the 56 sequences of
+    the H200 job at TP16 and 3x the 161 of the GB300 job at TP8; the table shows the split and the
+    bandwidth ceilings."""
+    for name, gpu, tp, at_least in (("kimi-k3-dflash2-h200.yaml", "h200", 16, 4 * 56),
+                                    ("kimi-k3-dflash2.yaml", "gb300", 8, 3 * 161)):
+        plan = plan_job(load_job(JOBS / name), JOBS, gpu_bytes(gpu), tp=tp, gpu_kind=gpu)
+        assert plan.split[0][1] >= at_least, name
+        table = plan.table()
+        assert f"latents split {tp} ways (engine.context_parallel)" in table
+        assert "bandwidth ceiling, with the split" in table and "bandwidth ceiling, without the split" in table
+        without, with_split = plan.ceilings[0]
+        assert with_split.seqs == plan.split[0][1] and with_split.tokens_per_s > 2.5 * without.tokens_per_s
+
+
+def test_experts_touched_is_the_share_uniform_routing_touches():
+    # An independent oracle: route tokens uniformly (k distinct experts each) and count.
+    gen = torch.Generator().manual_seed(0)
+    for tokens, experts, k in ((1, 896, 16), (8, 896, 16), (64, 896, 16), (12, 32, 4)):
+        touched = [torch.rand(tokens, experts, generator=gen).topk(k, -1).indices.unique().numel() / experts
+                   for _ in range(400)]
+        assert abs(sum(touched) / len(touched) - experts_touched(tokens, experts, k)) < 0.01, (tokens, experts, k)
+
+
+def test_the_ceiling_is_the_bytes_over_the_bandwidth():
+    c = ceiling(seqs=10, block=8, tp=2, dense=1_000, routed=0, caches=500, tbps=1e-9, acc_len=4.0)
+    assert c.read == 1_500 and c.round_ms == pytest.approx(1_500.0)  # 1.5 kB at 1 kB/s
+    assert c.tokens_per_s == pytest.approx(10 * 4.0 / 1.5 / 2)  # the group's tokens, per GPU
+    half = ceiling(seqs=10, block=8, tp=2, dense=0, routed=1_000, caches=0, tbps=1e-9, acc_len=4.0, experts=80,
+                   per_token=1)
+    assert half.read == int(1_000 * experts_touched(80, 80, 1))

@@ -142,7 +142,8 @@ class TorchAttention:
         def keys(span: Span, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
             return (self._gather(k_cache, meta, span, start, stop).to(q.dtype),
                     self._gather(v_cache, meta, span, start, stop).to(q.dtype))
-        return self._attend(q, keys, k_cache.shape[1], v_cache.shape[-1], meta, scale, causal, key_span(meta, window))
+        return self._attend(q, keys, k_cache.shape[1], v_cache.shape[-1], meta, scale, causal, window,
+                            key_span(meta, window))
 
     def attend_latent(self, q: torch.Tensor, cache: torch.Tensor, v_width: int, meta: AttnMeta,
                       scale: float, causal: bool = True, window: int | None = None) -> torch.Tensor:
@@ -150,10 +151,10 @@ class TorchAttention:
             k = self._gather(cache, meta, span, start, stop).to(q.dtype)
             return k, k[..., :v_width]
         if not self.split:
-            return self._attend(q, keys, cache.shape[1], v_width, meta, scale, causal, key_span(meta, window))
+            return self._attend(q, keys, cache.shape[1], v_width, meta, scale, causal, window, key_span(meta, window))
         # Every rank's heads over the keys this rank keeps, merged across ranks by log-sum-exp.
         out, lse = self._attend(parallel.all_gather_dim1(q), keys, cache.shape[1], v_width, meta, scale, causal,
-                                key_span(meta, window, self.split), with_lse=True)
+                                window, key_span(meta, window, self.split), with_lse=True)
         return merge_across_ranks(out, lse).to(q.dtype)
 
     @staticmethod
@@ -172,12 +173,12 @@ class TorchAttention:
 
     @staticmethod
     def _attend(q: torch.Tensor, keys: Callable[..., tuple[torch.Tensor, torch.Tensor]], kv_heads: int,
-                dv: int, meta: AttnMeta, scale: float, causal: bool, span: Span,
+                dv: int, meta: AttnMeta, scale: float, causal: bool, window: int | None, span: Span,
                 with_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`keys(span, start, stop)`: K and V [bs, stop - start, kv_heads, d | dv] of keys
         start..stop-1 of the span (key_span). `with_lse`: also the rows' natural log-sum-exps
-        [T, heads] (-inf: a row that saw no key), the output then in at least float32."""
-        window = span.window
+        [T, heads] (-inf: a row that saw no key), the output then in at least float32. `window`
+        masks keys (the span's own window is None where the span holds the whole context)."""
         T, heads, d = q.shape
         bs, q_max = meta.q_index.shape
         q = q.view(bs, q_max, heads, d) if meta.dense else torch.cat([q, q.new_zeros(1, heads, d)])[meta.q_index]
@@ -192,7 +193,7 @@ class TorchAttention:
                                lambda: _folded_mask(meta, causal, window, group, q.dtype, span))
             out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale)
         else:
-            out, lse = _blocked(q, keys, meta, scale, causal, group, block, span)
+            out, lse = _blocked(q, keys, meta, scale, causal, window, group, block, span)
             out = torch.cat([out.to(lse.dtype), lse], -1) if with_lse else out.to(q.dtype)  # unfolded as one
         width = out.shape[-1]
         out = out.view(bs, kv_heads, group, q_max, width).permute(0, 3, 1, 2, 4).reshape(bs * q_max, heads, width)
@@ -204,11 +205,11 @@ class TorchAttention:
 
 
 def _blocked(q: torch.Tensor, keys: Callable[..., tuple[torch.Tensor, torch.Tensor]], meta: AttnMeta,
-             scale: float, causal: bool, group: int, block: int, span: Span) -> tuple[torch.Tensor, torch.Tensor]:
+             scale: float, causal: bool, window: int | None, group: int, block: int,
+             span: Span) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of folded queries q [bs, kv_heads, group * q_max, d] over the keys `block` at a
     time: each block's softmax-weighted values and log-sum-exp, merged as they come: (out, lse
     [.., 1]), in at least float32. Memory in the block, not in the context."""
-    window = span.window
     bs, kv_heads, rows, _ = q.shape
     total = q.new_full((bs, kv_heads, rows, 1), float("-inf"), dtype=torch.promote_types(q.dtype, torch.float32))
     acc = None  # the attention over the blocks so far; `total` its log-sum-exp

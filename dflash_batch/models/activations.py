@@ -119,3 +119,16 @@ def sampling_bytes(w: Widths, rows: int) -> int:
     """Choosing sampled tokens from `rows` whole rows of logits at once: the filtered copies, the
     top-p sort (values and int64 indices), the probabilities and their running sum."""
     return SAMPLER_COPIES * rows * w.vocab * parallel.world_size() * WIDE
+
+
+def latent_split_bytes(model: nn.Module, dtype_bytes: int, tokens: int) -> int:
+    """What an MLA layer split across the ranks by token (backends/latent_split.py) holds beyond
+    its heads-split form for `tokens` query rows: the gathered queries of every rank's heads, their
+    outputs over this rank's keys and the weighted copy the merge reduces (both float32), and the
+    log-sum-exps gathered from every rank."""
+    config = model.config.get("text_config", model.config)
+    if "kv_lora_rank" not in config:
+        return 0
+    heads, ranks = config["num_attention_heads"], parallel.world_size()
+    latent, rope = config["kv_lora_rank"], config["qk_rope_head_dim"]
+    return tokens * heads * ((latent + rope) * dtype_bytes + 2 * latent * WIDE + (ranks + 1) * WIDE)

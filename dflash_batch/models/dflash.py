@@ -129,7 +129,8 @@ class DFlashMLAAttention(CacheLayer):
     attended in the absorbed form.
 
     The cache holds one latent row per slot, [kv_a_layernorm(c_kv) | rope(k_pe)] (kl + dr wide),
-    shared by all heads and so replicated on every TP rank. Rather than expanding it to per-head
+    shared by all heads and so replicated on every TP rank (or split by token across them:
+    backends/latent_split.py). Rather than expanding it to per-head
     K/V, each head's query is mapped into the latent space (q_nope @ w_kc) and the attention
     output back out of it (o_lat @ w_vc^T), with w_kc, w_vc the K and V rows of kv_b_proj.
     """
@@ -309,7 +310,8 @@ class DFlashDrafter(nn.Module):
                        ring_slots: int | None = None, latent_split: int = 1) -> int:
         """Every layer's cache of `num_slots` slots (context and block rows), the sliding layers'
         of `ring_slots` (rings) when given; returns their bytes."""
-        return sum(layer.self_attn.allocate(num_slots, dtype, device, ring_slots, latent_split) for layer in self.layers)
+        return sum(layer.self_attn.allocate(num_slots, dtype, device, ring_slots, latent_split)
+                   for layer in self.layers)
 
     def ring_pages(self, block: int, page_size: int) -> int | None:
         """Pages per batch row a sliding layer's ring needs: its window and a block of `block`
