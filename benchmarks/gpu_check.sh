@@ -56,7 +56,7 @@ add torch_qwen 50 first "Qwen3 pair, torch backend: GPU tokens == CPU tokens; gr
   "$GPU_TEST -k 'torch_backend or tp2'"
 add torch_kimi 90 first "Kimi-K3 pair (fla KDA, Triton MoE and AttnRes): fla chunked == fp64 within the TF32 bound; GPU == CPU tokens; graphs == eager; spec greedy == target greedy under graphs" \
   "$GPU_TEST -k 'kimi or kda'"
-add flashinfer 80 first "flashinfer GQA and MLA == torch backend on the same caches; engine == torch engine; graphs == eager; spec greedy == target greedy under graphs" \
+add flashinfer 80 first "flashinfer GQA and MLA == torch backend on the same caches; the latent split's halves merged by their log-sum-exps == the whole cache under a graph; engine == torch engine; graphs == eager; spec greedy == target greedy under graphs" \
   "FLASHINFER_DISABLE_JIT=1 $GPU_TEST -k flashinfer"
 add kimi_flashinfer 130 first "Kimi-K3 at TP8 widths, flashinfer: prefill logits within 5e-2 of the CPU's fp32 (bf16); graph == eager and spec greedy == target-only on every sequence (peaked head); round-time table" \
   "FLASHINFER_DISABLE_JIT=1 $PY benchmarks/kimi_gpu_check.py --backend flashinfer --dir /tmp/kimi_pair --out $OUT/kimi_flashinfer.json"

@@ -107,3 +107,12 @@ def test_kimi_pair_on_flashinfer_equals_torch(backend, kimi, monkeypatch, rings,
     assert any(n for _, rounds in want.values() for n in rounds), "no draft accepted"
     kinds = {(key[0], key[5]) for key in fi.wrappers}  # (forward, ring)
     assert kinds == {("prefill", False), ("verify", False), ("draft", False)} | ({("draft", True)} if rings else set())
+
+
+def test_split_halves_merge_to_the_whole_on_the_emulated_wrapper():
+    """The GPU check's latent-split case (tests/latent_halves.py) on the emulated wrapper: the halves,
+    merged by their log-sum-exps, give the whole's attention to bf16's rounding; averaged, they do not."""
+    from tests.latent_halves import split_halves_error
+
+    merged, lse, plain = split_halves_error(fake_flashinfer.BatchMLAPagedAttentionWrapper, "cpu", graphs=False)
+    assert merged < 2e-2 and lse < 1e-4 and plain > 0.1, (merged, lse, plain)

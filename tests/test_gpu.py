@@ -179,6 +179,18 @@ def test_flashinfer_latent_matches_torch(seqs, causal, window):
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
 
+@needs_flashinfer
+def test_flashinfer_latent_split_halves_merge_to_the_whole_under_graphs():
+    """The latent split on one GPU (tests/latent_halves.py): flashinfer's MLA attention (bf16, Kimi-K3's
+    512 + 64 latent) over a cache's interleaved halves, each captured in a CUDA graph and replayed,
+    merged by the log-sum-exps it returns == over the whole cache; averaged without them, not."""
+    import flashinfer
+
+    from tests.latent_halves import split_halves_error
+
+    merged, lse, plain = split_halves_error(flashinfer.mla.BatchMLAPagedAttentionWrapper, "cuda", graphs=True)
+    assert merged < 2e-2 and lse < 1e-2 and plain > 0.1, (merged, lse, plain)
+
 # -- engines ---------------------------------------------------------------------------------------
 def test_torch_backend_on_gpu_matches_cpu(pair):
     cpu = outcomes(Engine(*load(pair, "cpu")), 7)
