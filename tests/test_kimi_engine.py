@@ -156,6 +156,20 @@ def test_tp4_latent_split_equals_tp1(tmp_path):
                                            ranks=4, latent_split=True)
 
 
+
+@pytest.mark.slow
+@pytest.mark.no_rerun
+def test_tp2_auto_with_the_latent_split_decodes_what_one_process_does(tmp_path):
+    # speculation: auto with the latents split: rank 0's costs rise with the drafts verified, so
+    # its plan verifies fewer than the block where acceptance is low (here rounds of width 1 and of
+    # the whole block run through the split, 40 and 29 of them); rank 1's disagree and are not
+    # followed. Greedy tokens == one process's.
+    target, drafter = make_kimi_pair(tmp_path / "pair", stream="attn_res", moe_intermediate_size=64, slices=2)
+    prompts = random_prompts([1, 37, 20], vocab=VOCAB, seed=6)
+    costs = [[1.0 + 0.4 * k for k in range(8)], [1.0] + [100.0] * 7]
+    engine_tp_worker.assert_auto_ranks_agree(str(target), str(drafter), prompts, str(tmp_path), free_port(), costs,
+                                             latent_split=True)
+
 # -- pairing ---------------------------------------------------------------------------------------
 def drafter_with(drafter_dir, **changes):
     """The pair's drafter built (unloaded) from its config with top-level or dflash_config changes."""
