@@ -516,11 +516,10 @@ class Engine:
         def where(seq: Sequence) -> torch.Tensor:
             return torch.tensor(slots(seq.pages, range(n), self.page_size), dtype=torch.int64, device=self.device)
 
-        src, split = where(source), self.split
+        whole = where(source)
         for seq in seqs:
-            dst = where(seq)
-            if split:  # the positions this rank keeps, at its rows (src and dst have the same owners)
-                src, dst = split.owned_pairs(where(source), dst)
+            # Under a latent split: the positions this rank keeps, at its rows (both have the same owners).
+            src, dst = self.split.owned_pairs(whole, where(seq)) if self.split else (whole, where(seq))
             for cache in caches:
                 cache[dst] = cache[src]
             seq.prefilled = n
