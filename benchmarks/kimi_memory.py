@@ -57,7 +57,7 @@ def tp_bytes_per_token() -> tuple[int, int]:
 def main() -> None:
     jobs = [("kimi-k3-dflash2.yaml", "gb300", 8), ("kimi-k3-dflash2-h200.yaml", "h200", 8),
             ("kimi-k3-dflash2-h100.yaml", "h100", 8)]
-    plans = {name: plan_job(load_job(JOBS / name), JOBS, gpu_bytes(gpu)) for name, gpu, _ in jobs}
+    plans = {name: plan_job(load_job(JOBS / name), JOBS, gpu_bytes(gpu), with_split=True) for name, gpu, _ in jobs}
     print("memory plan per rank (dflash-batch plan JOB --gpu-memory GPU), GB:")
     print(f"{'job':<28} {'gpu':>6} {'tp':>4} {'nodes':>5} {'weights':>8} {'bucket':>13} {'seqs':>5} {'total':>7}")
     for name, gpu, per_node in jobs:
@@ -93,7 +93,7 @@ def main() -> None:
           f"{'HBM floor ms':>12} {'freed MB/seq':>12} {'seqs w/o':>8} {'seqs with':>9} {'pays below ms':>13}")
     for label, gpu, tp, nodes, name in (("TP8, 1 GB300 node", "gb300", 8, 1, "kimi-k3-dflash2.yaml"),
                                         ("TP16, 2 H200 nodes", "h200", 16, 2, "kimi-k3-dflash2-h200.yaml")):
-        plan = plan_job(load_job(JOBS / name), JOBS, gpu_bytes(gpu), tp=tp)
+        plan = plans[name]  # at the job's TP, the one named here
         need, (split, with_split) = plan.buckets[0], plan.split[0]
         freed = (need.caches - split.caches) / need.bucket.max_num_seqs
         per_token = cp_bytes_per_token(tp)

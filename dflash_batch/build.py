@@ -181,6 +181,13 @@ def resolve_engine(job: Job, cuda: bool | None = None, flashinfer: bool | None =
                        e.context_parallel)
 
 
+def why_no_latent_split(job: Job, backend: str = "torch") -> str | None:
+    """Why the MLA latents of this job's pair cannot be split across its ranks on `backend` (None:
+    they can), from the checkpoints' config.json (the plan asks it of what it sizes)."""
+    drafter = _Checkpoint.read(job.model.drafter, "drafter") if job.model.drafter else None
+    return _why_no_split(job, _Checkpoint.read(job.model.target, "target"), drafter, backend)
+
+
 def _why_no_split(job: Job, target: _Checkpoint, drafter: _Checkpoint | None, backend: str) -> str | None:
     """Why the MLA latents cannot be split across this job's ranks (None: they can)."""
     tp, ps = job.model.tensor_parallel_size, job.engine.page_size

@@ -362,7 +362,7 @@ def plan_command(job_file: str, gpu_memory: str | None, gpus_per_node: int, tens
         reserve = None if reserve_gb is None else int(reserve_gb * 10**9)
         job_dir = Path(job_file).parent
         plan = plan_job(job, job_dir, gpu, tensor_parallel, reserve, gpu_kind=str(memory).strip().lower(),
-                        acc_len=acc_len)
+                        acc_len=acc_len, with_split=True)
         click.echo(plan.table())
         nodes = -(-plan.tp // gpus_per_node)
         click.echo(f"TP{plan.tp}: {nodes} node(s) of {gpus_per_node} GPUs a tensor-parallel group")

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from dflash_batch import parallel
-from dflash_batch.build import DTYPES, EngineSetup, resolve_engine
+from dflash_batch.build import DTYPES, EngineSetup, resolve_engine, why_no_latent_split
 from dflash_batch.engine import choice
 from dflash_batch.engine.batch import DecodeBatch
 from dflash_batch.engine.engine import Engine, named_runtime_tensors
@@ -176,6 +176,7 @@ class _Sizer:
                 self.notes += [note] if note else []
         # What the GPU host runs (its backend, kernels, graphs and capture sizes), not this host.
         sized = job.model_copy(update={"model": job.model.model_copy(update=paths)})
+        self.sized = sized  # the job, its checkpoints those sized here
         self.setup = setup or resolve_engine(sized, **GPU_HOST)
         self.notes.append(("sized for a CUDA GPU with the gpu extra (flashinfer, Triton, fla-core), whatever this "
                            "host has installed: " if setup is None else "sized for: ")
@@ -298,12 +299,13 @@ def _bytes(batch: DecodeBatch) -> int:
 
 
 def plan_job(job: Job, job_dir: Path, gpu: int, tp: int | None = None, reserve: int | None = None,
-             setup: EngineSetup | None = None, gpu_kind: str | None = None, acc_len: float = CARD_ACC_LEN) -> Plan:
+             setup: EngineSetup | None = None, gpu_kind: str | None = None, acc_len: float = CARD_ACC_LEN,
+             with_split: bool = False) -> Plan:
     """The job's memory per rank at `tp` ranks (default: the job's), and the largest max_num_seqs
-    per bucket that fits a GPU of `gpu` bytes, without and (where the pair and TP size allow)
-    with the MLA latents split across the ranks; on a known `gpu_kind` (HBM_TBPS), each bucket's
-    bandwidth ceiling at those batches. `setup`: the engine settings to size (default: what a
-    CUDA host with the gpu extra runs, GPU_HOST)."""
+    per bucket that fits a GPU of `gpu` bytes; `with_split`: also with the MLA latents split
+    across the ranks, where the pair and TP size allow; on a known `gpu_kind` (HBM_TBPS), each
+    bucket's bandwidth ceiling at those batches. `setup`: the engine settings to size (default:
+    what a CUDA host with the gpu extra runs, GPU_HOST)."""
     tp = job.model.tensor_parallel_size if tp is None else tp
     if tp < 1:
         raise JobError(f"a tensor-parallel size of {tp}: give 1 or more ranks")
@@ -317,7 +319,9 @@ def plan_job(job: Job, job_dir: Path, gpu: int, tp: int | None = None, reserve: 
 
     largest = largest_of(sizer)
     needs = [sizer.need(b) for b in buckets]
-    split_sizer = _Sizer(job, job_dir, tp, sizer.setup, latent_split=True) if _splits(job, sizer) else None
+    at_tp = sizer.sized.model_copy(update={"model": sizer.sized.model.model_copy(update={"tensor_parallel_size": tp})})
+    splits = with_split and why_no_latent_split(at_tp) is None  # build.py's rules, on the torch backend
+    split_sizer = _Sizer(job, job_dir, tp, sizer.setup, latent_split=True) if splits else None
     split = list(zip([split_sizer.need(b) for b in buckets], largest_of(split_sizer))) if split_sizer else None
     ceilings = None
     if gpu_kind in HBM_TBPS:
@@ -325,14 +329,6 @@ def plan_job(job: Job, job_dir: Path, gpu: int, tp: int | None = None, reserve: 
                      _ceiling(split_sizer, weights, b, split[i][1], gpu_kind, acc_len) if split else None)
                     for i, (b, n) in enumerate(zip(buckets, largest))]
     return Plan(tp, gpu, weights, fixed, needs, largest, sizer.notes, split, ceilings, acc_len)
-
-
-def _splits(job: Job, sizer: _Sizer) -> bool:
-    """Whether the pair's caches can split across this plan's ranks by token (build.py's
-    engine.context_parallel rules, whatever backend runs it)."""
-    drafter_latent = sizer.drafter is None or sizer.drafter.latent
-    return (sizer.tp > 1 and job.engine.page_size % sizer.tp == 0 and hasattr(sizer.target, "allocate_state")
-            and drafter_latent)
 
 
 def _ceiling(sizer: _Sizer, weights: dict[str, int], bucket: Bucket, seqs: int, kind: str,

@@ -440,7 +440,7 @@ def test_the_split_caches_are_the_bytes_a_split_engine_allocates(jobs, tmp_path,
     them holds after each speculating bucket is the plan's split bucket, the MLA latents (the
     target's, the drafter's) half the unsplit plan's and the KDA states as they were."""
     job = jobs["kimi"]
-    plan = plan_job(job, tmp_path, 80 * GB, tp=2, setup=CPU)
+    plan = plan_job(job, tmp_path, 80 * GB, tp=2, setup=CPU, with_split=True)
     assert plan.split is not None
     monkeypatch.setattr(parallel, "world_size", lambda: 2)
     target, drafter = load_pair(Path(job.model.target), Path(job.model.drafter))
@@ -465,7 +465,7 @@ def test_the_production_plans_hold_more_sequences_with_the_split_and_show_the_ce
     bandwidth ceilings."""
     for name, gpu, tp, at_least in (("kimi-k3-dflash2-h200.yaml", "h200", 16, 4 * 56),
                                     ("kimi-k3-dflash2.yaml", "gb300", 8, 3 * 161)):
-        plan = plan_job(load_job(JOBS / name), JOBS, gpu_bytes(gpu), tp=tp, gpu_kind=gpu)
+        plan = plan_job(load_job(JOBS / name), JOBS, gpu_bytes(gpu), tp=tp, gpu_kind=gpu, with_split=True)
         assert plan.split[0][1] >= at_least, name
         table = plan.table()
         assert f"latents split {tp} ways (engine.context_parallel)" in table
