@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from dflash_batch import parallel
+from dflash_batch.backends.latent_split import LatentSplit
 from dflash_batch.build import DTYPES, EngineSetup, resolve_engine, why_no_latent_split
 from dflash_batch.engine import choice
 from dflash_batch.engine.batch import DecodeBatch
@@ -281,7 +282,8 @@ class _Planned:
     caches), without its kernels."""
 
     def __init__(self, backend: str, latent_split: int = 1):
-        self.name, self.latent_split = backend, latent_split
+        self.name = backend
+        self.split = LatentSplit(latent_split, 0) if latent_split > 1 else None  # rank 0's rows
 
     def reads_rings(self, latent: bool) -> bool:
         return latent or self.name == "torch"

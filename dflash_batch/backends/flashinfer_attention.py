@@ -108,7 +108,7 @@ class _Entry:
 
 class FlashInferAttention:
     name = "flashinfer"
-    latent_split = 1  # no latent split here yet (build.py refuses engine.context_parallel with it)
+    split = None  # no latent split here yet (build.py refuses engine.context_parallel with it)
 
     def __init__(self, device: torch.device | str, latent_rings: bool = True, workspace_bytes: int = 256 << 20):
         """`latent_rings` False: MLA drafters' sliding layers keep whole caches too (tests)."""

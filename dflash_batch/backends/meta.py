@@ -16,9 +16,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from dflash_batch.backends.latent_split import LatentSplit
 
 
 class AttentionBackend(Protocol):
@@ -26,7 +29,7 @@ class AttentionBackend(Protocol):
     read host-side lengths; `write` and `attend` run inside one."""
 
     name: str
-    latent_split: int  # ranks an MLA latent cache is split across by token (1: kept whole on each)
+    split: LatentSplit | None  # whose rows of the MLA latent caches this rank keeps (None: all of them)
 
     def reads_rings(self, latent: bool) -> bool:
         """Whether a drafter's sliding layers may keep ring caches (AttnMeta.ring_view) here:

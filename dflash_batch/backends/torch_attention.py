@@ -112,10 +112,6 @@ class TorchAttention:
     def __init__(self, split: LatentSplit | None = None):
         self.split = split
 
-    @property
-    def latent_split(self) -> int:
-        return self.split.ways if self.split else 1
-
     def reads_rings(self, latent: bool) -> bool:
         return True
 

@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 
 from dflash_batch import parallel
-from dflash_batch.backends.latent_split import LatentSplit
 from dflash_batch.backends.meta import AttentionBackend, Ring
 from dflash_batch.backends.torch_attention import TORCH
 from dflash_batch.engine.batch import DecodeBatch
@@ -93,10 +92,10 @@ class Engine:
         self.page_size, self.budget = page_size, max_num_batched_tokens
         self.dtype, self.device = dtype, torch.device(device)
         self.attention, self.ops = attention, ops.for_device(device)
-        ways = attention.latent_split
-        if page_size % ways:
-            raise ValueError(f"page_size {page_size} must be a multiple of the latent split ({ways} ranks)")
-        self.split = LatentSplit(ways, parallel.rank()) if ways > 1 else None  # whose latent rows this rank keeps
+        self.split = attention.split  # whose rows of the latent caches this rank keeps (None: all)
+        self.latent_ways = self.split.ways if self.split else 1
+        if page_size % self.latent_ways:
+            raise ValueError(f"page_size {page_size} must be a multiple of the latent split ({self.latent_ways} ranks)")
         # Batch sizes a round runs at (a batch is padded up to the next one); None: exact sizes.
         self.capture_sizes = sorted(capture_sizes) if capture_sizes else None
         if cuda_graphs and not capture_sizes:
@@ -137,7 +136,7 @@ class Engine:
                 self.log(f"bucket {bucket.name}: rounds run uncompiled (speculation: auto times them so)")
                 pays = None
         self._compile_if(not step.eager, models)
-        split = self.attention.latent_split
+        split = self.latent_ways
         caches = slot_caches(models, batch, split)
         self.ring = batch.ring
         self.ring_caches = [] if self.ring is None else [
@@ -273,7 +272,7 @@ class Engine:
         seqs = bucket.max_num_seqs
         # One page past the rows' pages is scratch: padding rows write there and nothing reads it.
         num_slots = (seqs * pages_per_row + 1) * self.page_size
-        split = self.attention.latent_split  # each rank keeps 1/split of the latent slots
+        split = self.latent_ways  # each rank keeps 1/split of the latent slots
         cache_bytes = self.target.allocate_cache(num_slots, self.dtype, self.device, **_split(split))
         ring = None
         if block > 1:
@@ -501,7 +500,7 @@ class Engine:
         """The followers of a prefilled prompt start where it ends, with its recurrent state."""
         followers, leader.followers = leader.followers, []
         self._copy_prompt(leader, followers, len(leader.prompt), caches)
-        span = self.ring.pages * self.page_size // self.attention.latent_split if self.ring else 0
+        span = self.ring.pages * self.page_size // self.latent_ways if self.ring else 0
         for seq in followers:
             if self.recurrent:
                 self.target.copy_state(leader.row, seq.row)
