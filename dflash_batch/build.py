@@ -163,7 +163,7 @@ def resolve_engine(job: Job, cuda: bool | None = None, flashinfer: bool | None =
         raise JobError(f"engine.compile: true cannot take effect: {why_no_compile}")
     compiled = why_no_compile is None if e.compile is None else e.compile
 
-    why_no_split = _why_no_split(job, target_ckpt, drafter_ckpt, backend)
+    why_no_split = _why_no_split(job, target_ckpt, drafter_ckpt)
     if e.context_parallel and why_no_split:
         raise JobError(f"engine.context_parallel: true cannot take effect: {why_no_split}")
 
@@ -181,14 +181,14 @@ def resolve_engine(job: Job, cuda: bool | None = None, flashinfer: bool | None =
                        e.context_parallel)
 
 
-def why_no_latent_split(job: Job, backend: str = "torch") -> str | None:
-    """Why the MLA latents of this job's pair cannot be split across its ranks on `backend` (None:
-    they can), from the checkpoints' config.json (the plan asks it of what it sizes)."""
+def why_no_latent_split(job: Job) -> str | None:
+    """Why the MLA latents of this job's pair cannot be split across its ranks (None: they can),
+    from the checkpoints' config.json (the plan asks it of what it sizes)."""
     drafter = _Checkpoint.read(job.model.drafter, "drafter") if job.model.drafter else None
-    return _why_no_split(job, _Checkpoint.read(job.model.target, "target"), drafter, backend)
+    return _why_no_split(job, _Checkpoint.read(job.model.target, "target"), drafter)
 
 
-def _why_no_split(job: Job, target: _Checkpoint, drafter: _Checkpoint | None, backend: str) -> str | None:
+def _why_no_split(job: Job, target: _Checkpoint, drafter: _Checkpoint | None) -> str | None:
     """Why the MLA latents cannot be split across this job's ranks (None: they can)."""
     tp, ps = job.model.tensor_parallel_size, job.engine.page_size
     if target.architecture != KIMI_K3:
@@ -199,8 +199,6 @@ def _why_no_split(job: Job, target: _Checkpoint, drafter: _Checkpoint | None, ba
         return "tensor_parallel_size is 1: there are no ranks to split across"
     if ps % tp:
         return f"engine.page_size {ps} is not a multiple of tensor_parallel_size {tp} (a page splits evenly)"
-    if backend != "torch":
-        return "the flashinfer backend has no latent split yet (engine.backend: torch runs it, on the CPU)"
     return None
 
 
@@ -226,12 +224,14 @@ def _attention(setup: EngineSetup):
     if setup.backend == "flashinfer":
         from dflash_batch.backends.flashinfer_attention import FlashInferAttention
 
-        return FlashInferAttention(setup.device)
+        return FlashInferAttention(setup.device, split=_split(setup))
     from dflash_batch.backends.torch_attention import TORCH, TorchAttention
 
-    if setup.context_parallel:
-        return TorchAttention(LatentSplit(parallel.world_size(), parallel.rank()))
-    return TORCH
+    return TorchAttention(_split(setup)) if setup.context_parallel else TORCH
+
+
+def _split(setup: EngineSetup) -> LatentSplit | None:
+    return LatentSplit(parallel.world_size(), parallel.rank()) if setup.context_parallel else None
 
 
 def build_engine(job: Job, tokenizer: Tokenizer, setup: EngineSetup | None = None) -> Engine:

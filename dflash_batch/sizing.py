@@ -322,7 +322,7 @@ def plan_job(job: Job, job_dir: Path, gpu: int, tp: int | None = None, reserve: 
     largest = largest_of(sizer)
     needs = [sizer.need(b) for b in buckets]
     at_tp = sizer.sized.model_copy(update={"model": sizer.sized.model.model_copy(update={"tensor_parallel_size": tp})})
-    splits = with_split and why_no_latent_split(at_tp) is None  # build.py's rules, on the torch backend
+    splits = with_split and why_no_latent_split(at_tp) is None  # build.py's rules
     split_sizer = _Sizer(job, job_dir, tp, sizer.setup, latent_split=True) if splits else None
     split = list(zip([split_sizer.need(b) for b in buckets], largest_of(split_sizer))) if split_sizer else None
     ceilings = None

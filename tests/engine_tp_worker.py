@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -24,14 +25,16 @@ from dflash_batch.engine.request import Request, SamplingParams
 from dflash_batch.engine.pair import attach_drafter
 from dflash_batch.models.loader import load_model
 from dflash_batch.plan.buckets import Bucket
+from tests import fake_flashinfer
 from tests.emulated_graphs import EmulatedGraphs
 
 
 def generate(target_dir: str, drafter_dir: str, prompts: list[list[int]], sampling: dict,
              graphs: bool = False, device: str = "cpu", speculation: bool | str = True,
-             latent_split: bool = False) -> list[dict]:
+             latent_split: bool = False, backend: str = "torch") -> list[dict]:
     """Speculative decoding of every prompt (seed 1000 + index): tokens, accepted drafts per round and
     logprobs. `latent_split`: the ranks split the MLA latent caches by token (backends/latent_split.py).
+    `backend` flashinfer: on the CPU, its MLA wrapper emulated (tests/fake_flashinfer.py).
     The target taps the drafter's layers on the drafter's aux_hidden_stream, as build_engine does.
     `graphs`: rounds go through the engine's graph path, captured and replayed as CUDA graphs on a
     GPU, emulated on the CPU."""
@@ -43,12 +46,22 @@ def generate(target_dir: str, drafter_dir: str, prompts: list[list[int]], sampli
     bucket = Bucket(0, "0-1024", 1024, 16, speculation, None)
     engine_module.RoundGraphs = EmulatedGraphs if graphs and device == "cpu" else RoundGraphs
     graph_args = dict(cuda_graphs=True, capture_sizes=[1, 2, 4, 16]) if graphs else {}
-    attention = TorchAttention(LatentSplit(dist.get_world_size(), dist.get_rank())) if latent_split else TORCH
+    split = LatentSplit(dist.get_world_size(), dist.get_rank()) if latent_split else None
+    if backend == "flashinfer":
+        if device == "cpu":
+            sys.modules["flashinfer"] = fake_flashinfer.module()
+        from dflash_batch.backends.flashinfer_attention import FlashInferAttention
+
+        attention = FlashInferAttention(device, split=split)
+    else:
+        attention = TorchAttention(split) if split else TORCH
     engine = Engine(target, drafter, dtype=torch.float64, device=device, attention=attention, **graph_args)
     done = {c.key: c for c in engine.generate(reqs, bucket)}
+    # flashinfer: whether rounds ran on wrappers planned as a captured graph's (fixed rows)
+    captured = backend == "flashinfer" and any(key[1] is not None for key in attention.wrappers)
     return [dict(tokens=done[r.key].token_ids, per_round=done[r.key].spec.per_round,
                  top_ids=done[r.key].logprobs and done[r.key].logprobs.top_ids,
-                 logprobs=logprob_values(done[r.key].logprobs)) for r in reqs]
+                 logprobs=logprob_values(done[r.key].logprobs), captured=captured) for r in reqs]
 
 
 def logprob_values(logprobs) -> list[list[float]]:
@@ -59,7 +72,7 @@ def logprob_values(logprobs) -> list[list[float]]:
 def run(rank: int, world_size: int, port: int, target_dir: str, drafter_dir: str,
         prompts: list[list[int]], runs: dict[str, dict], out_dir: str, graphs: bool = False,
         device: str = "cpu", costs_by_rank: list[list[float]] | None = None, group_rows: int | None = None,
-        latent_split: bool = False) -> None:
+        latent_split: bool = False, backend: str = "torch") -> None:
     """`costs_by_rank`: an auto bucket (speculation: auto) whose round costs each rank reads from
     here (seconds by verify width) instead of timing them; `group_rows`: verify rows each rank
     gathers and samples at once (engine/choice.py), default as many as its vocabulary allows."""
@@ -78,8 +91,8 @@ def run(rank: int, world_size: int, port: int, target_dir: str, drafter_dir: str
         if costs_by_rank is not None:
             Engine._time_round = lambda self, *args: costs_by_rank[rank][args[-1] - 1]
         speculation = True if costs_by_rank is None else "auto"
-        results = {name: generate(target_dir, drafter_dir, prompts, s, graphs, device, speculation, latent_split)
-                   for name, s in runs.items()}
+        results = {name: generate(target_dir, drafter_dir, prompts, s, graphs, device, speculation, latent_split,
+                                  backend) for name, s in runs.items()}
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -87,12 +100,13 @@ def run(rank: int, world_size: int, port: int, target_dir: str, drafter_dir: str
 
 def assert_tp2_equals_tp1(target_dir: str, drafter_dir: str, prompts: list[list[int]], runs: dict[str, dict],
                           out_dir: str, port: int, graphs: bool = False, device: str = "cpu",
-                          group_rows: int | None = None, ranks: int = 2, latent_split: bool = False) -> None:
-    """Decode in this process, then on `ranks` ranks (gloo on the CPU, NCCL on GPUs; `graphs`:
-    through the graph path; `group_rows`: the ranks gather and sample that many verify rows at a
-    time; `latent_split`: they split the MLA latents by token): every rank must give the same
-    tokens and accepted drafts per round, for every sampling setting in `runs`, and logprobs
-    within 1e-9."""
+                          group_rows: int | None = None, ranks: int = 2, latent_split: bool = False,
+                          backend: str = "torch", logprob_atol: float = 1e-9) -> None:
+    """Decode in this process on the torch backend, then on `ranks` ranks (gloo on the CPU, NCCL on
+    GPUs; `graphs`: through the graph path; `group_rows`: the ranks gather and sample that many
+    verify rows at a time; `latent_split`: they split the MLA latents by token; on `backend`):
+    every rank must give the same tokens and accepted drafts per round, for every sampling
+    setting in `runs`, and logprobs within `logprob_atol`."""
     import torch.multiprocessing as mp
 
     args = (target_dir, drafter_dir, prompts, runs)
@@ -100,16 +114,18 @@ def assert_tp2_equals_tp1(target_dir: str, drafter_dir: str, prompts: list[list[
     assert any(n for r in expected["greedy"] for n in r["per_round"]), "no draft accepted"
     vocab = json.loads((Path(drafter_dir) / "config.json").read_text())["vocab_size"]  # the pair's
     assert_every_slice_decoded([t for r in expected["greedy"] for t in r["tokens"]], vocab, ranks)
-    mp.spawn(run, args=(ranks, port, *args, out_dir, graphs, device, None, group_rows, latent_split), nprocs=ranks)
+    mp.spawn(run, args=(ranks, port, *args, out_dir, graphs, device, None, group_rows, latent_split, backend),
+             nprocs=ranks)
     for rank in range(ranks):
         got = torch.load(Path(out_dir) / f"rank{rank}.pt", map_location="cpu")
         for name in runs:
             for g, want in zip(got[name], expected[name]):
                 exact = ("tokens", "per_round", "top_ids")
                 assert [g[k] for k in exact] == [want[k] for k in exact], f"rank {rank}, {name}"
+                assert g["captured"] == (graphs and backend == "flashinfer")
                 assert len(g["logprobs"]) == len(want["logprobs"])
                 for a, b in zip(g["logprobs"], want["logprobs"]):
-                    torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-9)
+                    torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=logprob_atol)
 
 
 def assert_auto_ranks_agree(target_dir: str, drafter_dir: str, prompts: list[list[int]], out_dir: str,

@@ -82,10 +82,16 @@ class BatchMLAPagedAttentionWrapper:
         return (o, lses.float()) if return_lse else o
 
 
+def module() -> types.ModuleType:
+    """A `flashinfer` module holding this module's wrapper."""
+    fake = types.ModuleType("flashinfer")
+    fake.mla = types.SimpleNamespace(BatchMLAPagedAttentionWrapper=BatchMLAPagedAttentionWrapper)
+    return fake
+
+
 def install(monkeypatch) -> types.ModuleType:
     """Make `import flashinfer` give this module's wrapper (for the test's duration)."""
-    module = types.ModuleType("flashinfer")
-    module.mla = types.SimpleNamespace(BatchMLAPagedAttentionWrapper=BatchMLAPagedAttentionWrapper)
-    monkeypatch.setitem(sys.modules, "flashinfer", module)
-    return module
+    fake = module()
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    return fake
 

@@ -101,11 +101,10 @@ def test_defaults_on_a_gpu_host(checkpoints):
     (CPU, "kimi", "gqa", dict(context_parallel=True), 2, "model.drafter keeps GQA caches"),
     (CPU, "kimi", "mla", dict(context_parallel=True), 1, "tensor_parallel_size is 1"),
     (CPU, "kimi", "mla", dict(context_parallel=True, page_size=12), 8, "page_size 12 is not a multiple of"),
-    (GPU, "kimi_real", "mla_real", dict(context_parallel=True), 2, "flashinfer backend has no latent split yet"),
 ], ids=["flashinfer_cpu", "flashinfer_missing", "flashinfer_kimi", "flashinfer_mla", "flashinfer_causal_mla",
         "flashinfer_head32", "flashinfer_short_window", "graphs_cpu", "graphs_kimi", "compile_gpu", "compile_kimi",
         "compile_tp", "sizes_without_graphs", "sizes_short", "split_qwen3", "split_gqa_drafter", "split_tp1",
-        "split_page", "split_flashinfer"])
+        "split_page"])
 def test_settings_that_cannot_take_effect_are_refused(checkpoints, host, target, drafter, engine, tp, reason):
     with pytest.raises(JobError, match=reason):
         resolve_engine(job(checkpoints, target, drafter, tp, **engine), **host)
@@ -152,7 +151,9 @@ def test_pinned_drafts_past_the_drafters_block_are_refused_before_loading(checkp
         resolve_engine(pinned, **CPU)
 
 
-def test_the_latent_split_runs_on_the_torch_backend(checkpoints):
+def test_the_latent_split_runs_on_both_backends(checkpoints):
     setup = resolve_engine(job(checkpoints, "kimi", "mla", 2, context_parallel=True), **CPU)
     assert setup.context_parallel and "context_parallel=on" in setup.describe()
     assert not resolve_engine(job(checkpoints, "kimi", "mla", 2), **CPU).context_parallel  # off unless asked
+    gpu = resolve_engine(job(checkpoints, "kimi_real", "mla_real", 2, context_parallel=True), **GPU)
+    assert (gpu.backend, gpu.context_parallel) == ("flashinfer", True)

@@ -157,6 +157,24 @@ def test_tp4_latent_split_equals_tp1(tmp_path):
 
 
 
+@pytest.mark.numerics
+@pytest.mark.slow
+@pytest.mark.no_rerun
+def test_tp2_latent_split_on_flashinfer_equals_tp1(tmp_path):
+    # The flashinfer backend's split (backends/flashinfer_split.py; its MLA wrapper emulated) through
+    # the engine's graph path, rounds planned as captured ones are (one wrapper sequence a query,
+    # fixed buffers), prefill chunks eagerly (chains of queries two apart): against one process on
+    # the torch backend. A window of 10 (flashinfer's latent path wants one no shorter than the
+    # block); the drafter's rings wrap. The wrapper's log-sum-exps are float32: logprobs to 1e-6.
+    target, drafter = make_kimi_pair(tmp_path / "pair", stream="attn_res", moe_intermediate_size=64, slices=2,
+                                     window=10)
+    prompts = random_prompts([1, 37, 20], vocab=VOCAB, seed=6)
+    runs = {"greedy": dict(max_new_tokens=24),
+            "logprobs": dict(max_new_tokens=12, temperature=0.8, top_k=5, logprobs=2)}
+    engine_tp_worker.assert_tp2_equals_tp1(str(target), str(drafter), prompts, runs, str(tmp_path), free_port(),
+                                           graphs=True, latent_split=True, backend="flashinfer", logprob_atol=1e-6)
+
+
 @pytest.mark.slow
 @pytest.mark.no_rerun
 def test_tp2_auto_with_the_latent_split_decodes_what_one_process_does(tmp_path):

@@ -21,6 +21,12 @@ sees its window (and, for causal drafters, its causal edge) shifted by the rows 
 drafts may differ from the torch backend's in that last round, never the output, which
 verification decides.
 
+Under a latent split (engine.context_parallel) every rank gathers all ranks' query heads, hands
+the wrapper the positions it keeps (flashinfer_split.py: the same page ids at page_size / TP,
+causal chunks as chains of queries TP apart, queries that see no key here marked dead), asks for
+the natural log-sum-exps and merges across the ranks (latent_split.merge_across_ranks); writes go
+to the owning rank's rows only.
+
 Import-safe without flashinfer: it is imported when the backend is built.
 """
 
@@ -31,7 +37,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dflash_batch import parallel
 from dflash_batch.backends.flashinfer_latent import edge_strip
+from dflash_batch.backends.flashinfer_split import SplitRows, paged_rows, position_slots, window_rows
+from dflash_batch.backends.latent_split import LatentSplit, merge_across_ranks
 from dflash_batch.backends.meta import AttnMeta
 from dflash_batch.backends.torch_attention import merge_attention
 from dflash_batch.kernels.scatter import scatter_triton
@@ -84,15 +93,21 @@ class _Layout:
             seq = torch.repeat_interleave(torch.arange(n), counts)
             first = counts.cumsum(0) - counts
             pos = lo[seq] + torch.arange(int(counts.sum())) - first[seq]
-            if ring_pages is None:
-                width = max(map(len, self.tables))
-                tables = torch.tensor([t + [scratch_page] * (width - len(t)) for t in self.tables])
-                page = tables[seq, pos // ps]
+            slots = position_slots(self.tables, self.rows, seq, pos, ps, ring_pages, scratch_page)
+            self.cache[key] = (self._qo_indptr(), _i32([0, *counts.cumsum(0).tolist()]), _i32(slots), _i32(counts))
+        return self.cache[key]
+
+    def split_rows(self, split: LatentSplit, causal: bool, window: int | None, ring_pages: int | None,
+                   scratch_page: int, one_per_query: bool) -> SplitRows:
+        """This forward over the positions `split`'s rank keeps (flashinfer_split.py)."""
+        key = ("split", causal, window, ring_pages, one_per_query)
+        if key not in self.cache:
+            if window is None:
+                self.cache[key] = paged_rows(self.q_lens, self.kv_lens, self.tables, self.page_size, split, causal,
+                                             one_per_query, scratch_page)
             else:
-                rows = torch.tensor([-1 if r is None else r for r in self.rows])[seq]
-                page = torch.where(rows >= 0, rows * ring_pages + (pos // ps) % ring_pages, scratch_page)
-            self.cache[key] = (self._qo_indptr(), _i32([0, *counts.cumsum(0).tolist()]), _i32(page * ps + pos % ps),
-                               _i32(counts))
+                self.cache[key] = window_rows(self.q_lens, self.kv_lens, self.tables, self.rows, self.page_size,
+                                              split, window, ring_pages, scratch_page)
         return self.cache[key]
 
     def _qo_indptr(self) -> torch.Tensor:
@@ -104,18 +119,34 @@ class _Entry:
     wrapper: object
     plan: Callable[[_Layout], None]  # plans the wrapper for a layout of its forward
     generation: int = -1             # the layout it was planned for
+    # A latent split's reorder and dead rows (flashinfer_split.SplitRows) on the device, refilled
+    # in place by each plan (a captured round reads them): "order", "inverse", "dead".
+    rows: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def keep(self, rows: SplitRows, device: torch.device) -> None:
+        order = rows.order
+        values = {"dead": rows.dead} | ({} if order is None else {"order": order, "inverse": torch.argsort(order)})
+        if values.keys() != self.rows.keys():
+            self.rows = {}
+        for name, value in values.items():
+            if name in self.rows and self.rows[name].shape == value.shape:
+                self.rows[name].copy_(value)
+            else:  # a captured wrapper's shapes never change: only an eager one's buffers are replaced
+                self.rows[name] = value.to(device)
 
 
 class FlashInferAttention:
     name = "flashinfer"
-    split = None  # no latent split here yet (build.py refuses engine.context_parallel with it)
 
-    def __init__(self, device: torch.device | str, latent_rings: bool = True, workspace_bytes: int = 256 << 20):
-        """`latent_rings` False: MLA drafters' sliding layers keep whole caches too (tests)."""
+    def __init__(self, device: torch.device | str, latent_rings: bool = True, workspace_bytes: int = 256 << 20,
+                 split: LatentSplit | None = None):
+        """`latent_rings` False: MLA drafters' sliding layers keep whole caches too (tests).
+        `split`: the MLA latent caches are split across the ranks by token (latent_split.py)."""
         import flashinfer
 
         self.flashinfer = flashinfer
         self.device = torch.device(device)
+        self.split = split
         self.latent_rings = latent_rings
         # One float workspace for every wrapper: forwards run one after another on one stream.
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
@@ -196,7 +227,7 @@ class FlashInferAttention:
             if capturing(self.device):
                 raise RuntimeError(f"flashinfer wrapper for {key} was not planned before capture")
             self._plan(entry, name)
-        return entry.wrapper
+        return entry
 
     def _buffers(self, rows: int, indices: int) -> dict[str, torch.Tensor]:
         def buf(n: int) -> torch.Tensor:
@@ -206,7 +237,10 @@ class FlashInferAttention:
 
     # -- inside the forward (and the graph) ----------------------------------------------------
     def write(self, cache: torch.Tensor, meta: AttnMeta, values: torch.Tensor) -> None:
-        scatter_triton(cache, meta.slots, values)
+        # Under a split every cache written is a latent cache (build.py: MLA pairs only).
+        split = self.split
+        slots = meta.slots if not split else meta.shared("split_slots", lambda: split.write_rows(meta.slots, -1))
+        scatter_triton(cache, slots, values)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
                scale: float, causal: bool = True, window: int | None = None) -> torch.Tensor:
@@ -229,7 +263,7 @@ class FlashInferAttention:
             return _Entry(wrapper, lambda layout: wrapper.plan(*layout.paged()[:4], **args))
 
         key = ("gqa", causal, window, scale, q.shape[1], k_cache.shape[1], q.shape[2], q.dtype, k_cache.dtype)
-        wrapper = self._wrapper(meta.name, meta, key, make)
+        wrapper = self._wrapper(meta.name, meta, key, make).wrapper
         paged = (k_cache.view(-1, meta.page_size, *k_cache.shape[1:]),
                  v_cache.view(-1, meta.page_size, *v_cache.shape[1:]))
         return wrapper.run(q.contiguous(), paged)
@@ -237,38 +271,71 @@ class FlashInferAttention:
     def attend_latent(self, q: torch.Tensor, cache: torch.Tensor, v_width: int, meta: AttnMeta,
                       scale: float, causal: bool = True, window: int | None = None) -> torch.Tensor:
         """Absorbed MLA; see the module doc. A sliding layer's block must be dense, non-causal and
-        no longer than the window (the DFlash2-MLA drafter's; build.py refuses others here)."""
+        no longer than the window (the DFlash2-MLA drafter's; build.py refuses others here). Under
+        a latent split every rank's heads attend over the positions this rank keeps
+        (flashinfer_split.py), merged across the ranks by their log-sum-exps."""
         name = meta.name.removesuffix(RING)
         ring = meta.name.endswith(RING)
         if window is not None and (causal or not meta.dense or window < meta.q_index.shape[1]):
             raise ValueError("flashinfer's latent path takes sliding windows over dense non-causal blocks no "
                              "longer than the window (a shorter window bounds a block's keys on the right too)")
-        ps = meta.page_size if window is None else 1
+        split = self.split
+        if split:
+            q = parallel.all_gather_dim1(q)
+        ways = split.ways if split else 1
+        ps = meta.page_size // ways if window is None else 1
         max_pages = meta.block_tables.shape[1]
         args = dict(num_heads=q.shape[1], head_dim_ckv=v_width, head_dim_kpe=q.shape[2] - v_width, page_size=ps,
                     causal=causal, sm_scale=scale, q_data_type=q.dtype, kv_data_type=cache.dtype)
-
-        def csr(layout: _Layout) -> tuple[torch.Tensor, ...]:
-            if window is None:
-                qo, kv_ptr, indices, _, kv_len = layout.paged()
-                return qo, kv_ptr, indices, kv_len
-            scratch = self.ring_scratch if ring else self.scratch_page
-            return layout.window(window, self.ring_pages if ring else None, scratch)
+        scratch = self.ring_scratch if ring else self.scratch_page
 
         def make(rows: int | None) -> _Entry:
             mla = self.flashinfer.mla.BatchMLAPagedAttentionWrapper
             if rows is None:
                 wrapper = mla(self.workspace)
             else:
+                # Split, a captured causal forward hands the wrapper one sequence a query.
+                seqs = rows * meta.q_index.shape[1] if split and causal and window is None else rows
                 wrapper = mla(self.workspace, use_cuda_graph=True,
-                              **self._buffers(rows, rows * (window if window else max_pages + 1)))
-            return _Entry(wrapper, lambda layout: wrapper.plan(*csr(layout), **args))
+                              **self._buffers(seqs, seqs * (window if window else max_pages + 1)))
+            entry = _Entry(wrapper, lambda layout: None)
+
+            def plan(layout: _Layout) -> None:
+                if split:
+                    split_rows = layout.split_rows(split, causal, window, self.ring_pages if ring else None, scratch,
+                                                   one_per_query=rows is not None)
+                    entry.keep(split_rows, self.device)
+                    csr = split_rows.csr
+                elif window is None:
+                    qo, kv_ptr, indices, _, kv_len = layout.paged()
+                    csr = qo, kv_ptr, indices, kv_len
+                else:
+                    csr = layout.window(window, self.ring_pages if ring else None, scratch)
+                wrapper.plan(*csr, **args)
+            entry.plan = plan
+            return entry
 
         key = ("mla", ring, causal, window, scale, q.shape[1], q.shape[2], v_width, q.dtype, cache.dtype)
-        wrapper = self._wrapper(name, meta, key, make)
+        entry = self._wrapper(name, meta, key, make)
         paged = cache.view(-1, ps, cache.shape[-1])
-        q_nope, q_pe, ckv, kpe = q[..., :v_width], q[..., v_width:], paged[..., :v_width], paged[..., v_width:]
-        if window is None:
-            return wrapper.run(q_nope, q_pe, ckv, kpe)
-        out, lse = wrapper.run(q_nope, q_pe, ckv, kpe, return_lse=True, return_lse_base_on_e=True)
-        return merge_attention(out, lse[..., None], *edge_strip(q, cache, v_width, meta, scale, window))[0].to(q.dtype)
+        if not split:
+            q_nope, q_pe, ckv, kpe = q[..., :v_width], q[..., v_width:], paged[..., :v_width], paged[..., v_width:]
+            if window is None:
+                return entry.wrapper.run(q_nope, q_pe, ckv, kpe)
+            out, lse = entry.wrapper.run(q_nope, q_pe, ckv, kpe, return_lse=True, return_lse_base_on_e=True)
+            strip = edge_strip(q, cache, v_width, meta, scale, window)
+            return merge_attention(out, lse[..., None], *strip)[0].to(q.dtype)
+        rows = entry.rows
+        q_in = q.index_select(0, rows["order"]) if "order" in rows else q
+        out, lse = entry.wrapper.run(q_in[..., :v_width], q_in[..., v_width:], paged[..., :v_width],
+                                     paged[..., v_width:], return_lse=True, return_lse_base_on_e=True)
+        if "order" in rows:
+            out, lse = out.index_select(0, rows["inverse"]), lse.index_select(0, rows["inverse"])
+        # A dead row's output is whatever the kernel made of the scratch key: replaced, not weighted.
+        dead = rows["dead"]
+        out = out.masked_fill(dead[:, None, None], 0.0)
+        lse = lse.masked_fill(dead[:, None], float("-inf"))
+        if window is not None:
+            out, lse = merge_attention(out, lse[..., None], *edge_strip(q, cache, v_width, meta, scale, window, split))
+            lse = lse[..., 0]
+        return merge_across_ranks(out, lse).to(q.dtype)

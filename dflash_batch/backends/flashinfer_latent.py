@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import torch
 
+from dflash_batch.backends.latent_split import LatentSplit
 from dflash_batch.backends.meta import AttnMeta
 from dflash_batch.backends.torch_attention import block_attention
 
 
 def edge_strip(q: torch.Tensor, cache: torch.Tensor, v_width: int, meta: AttnMeta, scale: float,
-               window: int) -> tuple[torch.Tensor, torch.Tensor]:
+               window: int, split: LatentSplit | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, heads, w] of a dense forward over a latent cache [slots, 1, w] -> (out [T, heads,
-    v_width], natural log-sum-exp [T, heads, 1]; -inf where a query sees no strip key)."""
+    v_width], natural log-sum-exp [T, heads, 1]; -inf where a query sees no strip key). `split`:
+    the strip's positions this rank keeps, in its rows of the cache."""
     bs, q_max = meta.q_index.shape
     T, heads, w = q.shape
     ps = meta.page_size
@@ -30,9 +32,13 @@ def edge_strip(q: torch.Tensor, cache: torch.Tensor, v_width: int, meta: AttnMet
     pos = low[:, None] - torch.arange(q_max - 1, 0, -1, device=q.device)           # [bs, B-1]
     at = pos.clamp_min(0)
     page = meta.block_tables.gather(1, (at // ps).clamp(max=meta.block_tables.shape[1] - 1))
-    keys = cache[(page.clamp_min(0) * ps + at % ps).reshape(-1)].view(bs, 1, q_max - 1, w).to(q.dtype)
+    slots = page.clamp_min(0) * ps + at % ps
+    kept = (pos >= 0) & (page >= 0)
+    if split:
+        slots, kept = slots // split.ways, kept & (pos % split.ways == split.rank)
+    keys = cache[slots.reshape(-1)].view(bs, 1, q_max - 1, w).to(q.dtype)
     # Query j sees strip key e iff e > q_j - window (padding queries, at -1, see what they see).
-    seen = ((pos >= 0) & (page >= 0))[:, None, :] & (pos[:, None, :] > meta.q_positions[:, :, None] - window)
+    seen = kept[:, None, :] & (pos[:, None, :] > meta.q_positions[:, :, None] - window)
     # One latent "K/V head" serves every query head: fold them into its query rows (head-major).
     folded = q.view(bs, q_max, heads, w).transpose(1, 2).reshape(bs, 1, heads * q_max, w)
     out, lse = block_attention(folded, keys, keys[..., :v_width], seen, heads, scale)
