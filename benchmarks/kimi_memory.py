@@ -58,14 +58,18 @@ def main() -> None:
     jobs = [("kimi-k3-dflash2.yaml", "gb300", 8), ("kimi-k3-dflash2-h200.yaml", "h200", 8),
             ("kimi-k3-dflash2-h100.yaml", "h100", 8)]
     plans = {name: plan_job(load_job(JOBS / name), JOBS, gpu_bytes(gpu), with_split=True) for name, gpu, _ in jobs}
-    print("memory plan per rank (dflash-batch plan JOB --gpu-memory GPU), GB:")
-    print(f"{'job':<28} {'gpu':>6} {'tp':>4} {'nodes':>5} {'weights':>8} {'bucket':>13} {'seqs':>5} {'total':>7}")
+    print("memory plan per rank (dflash-batch plan JOB --gpu-memory GPU), GB; split: the MLA latents split across "
+          "the ranks (engine.context_parallel, on where the buckets need it):")
+    print(f"{'job':<28} {'gpu':>6} {'tp':>4} {'nodes':>5} {'weights':>8} {'bucket':>13} {'seqs':>5} {'split':>5} "
+          f"{'total':>7}")
     for name, gpu, per_node in jobs:
         plan = plans[name]
-        for need in plan.buckets:
+        split = plan.uses_split(load_job(JOBS / name).engine.context_parallel)
+        for i, need in enumerate(plan.buckets):
+            held = plan.split[i][0] if split else need
             print(f"{name:<28} {gpu:>6} {plan.tp:>4} {-(-plan.tp // per_node):>5} "
                   f"{sum(plan.weights.values()) / GB:>8.1f} {need.bucket.name:>13} {need.bucket.max_num_seqs:>5} "
-                  f"{(plan.base + need.total) / GB:>7.1f}")
+                  f"{'yes' if split else 'no':>5} {(plan.base + held.total) / GB:>7.1f}")
     per_token, calls = tp_bytes_per_token()
     print(f"\ntensor parallelism: {per_token / 1e6:.2f} MB all-reduced a token of a round, {calls} all-reduces a round")
     print(f"{'setup':<22} {'rows':>5} {'MB/rank':>8} {'NVLink ms':>9} {'IB ms':>6} {'latency ms':>10} "

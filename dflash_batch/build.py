@@ -177,8 +177,9 @@ def resolve_engine(job: Job, cuda: bool | None = None, flashinfer: bool | None =
         if sizes[-1] < largest:
             raise JobError(f"engine.cudagraph_capture_sizes {sizes} must reach every bucket's max_num_seqs "
                            f"(the largest is {largest})")
+    # engine.context_parallel absent: sizing.fit_job decides it where engine.gpu_memory is set; off here.
     return EngineSetup(device, backend, graphs, compiled, sizes, kernels, compiled and e.compile is None,
-                       e.context_parallel)
+                       bool(e.context_parallel))
 
 
 def why_no_latent_split(job: Job) -> str | None:

@@ -214,9 +214,9 @@ def _run(job_file: str, shard_text: str | None, output_dir: str | None, no_progr
             job = job.model_copy(update={"engine": engine})
         shard = resolve_shard(job.sharding, os.environ, parse_shard(shard_text) if shard_text else None)
         if job.engine.gpu_memory is not None:  # before any model is loaded
-            from dflash_batch.sizing import check_fits
+            from dflash_batch.sizing import fit_job
 
-            check_fits(job, Path(job_file).parent)
+            job = fit_job(job, Path(job_file).parent)  # engine.context_parallel decided where absent
         if dry_run:
             _dry_run(job, shard)
             return
@@ -305,7 +305,7 @@ def validate(job_file: str, no_inputs: bool) -> None:
     from dflash_batch.io.inputs import duplicate_ids
     from dflash_batch.io.outputs import check_writable
     from dflash_batch.runner import check_job, open_tokenizer
-    from dflash_batch.sizing import check_fits
+    from dflash_batch.sizing import fit_job
 
     try:
         job = load_job(job_file)
@@ -321,8 +321,10 @@ def validate(job_file: str, no_inputs: bool) -> None:
                                "key, and a resume would skip the later ones: make the ids unique, or drop "
                                "input.id_column to key rows by file and index")
             open_tokenizer(job)
+        # config.json alone (or the shipped one): even with --no-inputs
+        job = fit_job(job, Path(job_file).parent)
+        if not no_inputs:
             click.echo(resolve_engine(job).describe())
-        check_fits(job, Path(job_file).parent)  # config.json alone (or the shipped one): even with --no-inputs
     except JobError as e:
         _fail(e)
     click.echo(f"{job_file}: ok")
@@ -370,11 +372,14 @@ def plan_command(job_file: str, gpu_memory: str | None, gpus_per_node: int, tens
         click.echo(f"smallest tensor_parallel_size that fits one sequence a bucket: {least or 'none up to 64'}")
     except JobError as e:
         _fail(e)
-    if not plan.fits:
-        click.echo(f"{job_file}: does not fit at TP{plan.tp} on a GPU of {gb(gpu)} GB (see 'NO' above)",
+    setting = job.engine.context_parallel
+    split = (" with the MLA latents split (engine.context_parallel: "
+             + ("true)" if setting else "absent, so on: the buckets as written need it)")) if plan.uses_split(setting) else ""
+    if not plan.fits_with(setting):
+        click.echo(f"{job_file}: does not fit at TP{plan.tp}{split} on a GPU of {gb(gpu)} GB (see 'NO' above)",
                    err=True)
         sys.exit(1)
-    click.echo(f"{job_file}: fits")
+    click.echo(f"{job_file}: fits{split}")
 
 
 @main.command()

@@ -148,12 +148,13 @@ class EngineSpec(_Strict):
     backend: Literal["auto", "torch", "flashinfer"] = Field(
         "auto", description="Attention backend. auto: flashinfer on a CUDA host that has it, for GQA "
         "models; else torch (torch: the CPU reference path, even on a CUDA host).")
-    context_parallel: bool = Field(
-        False, description="Split every sequence's MLA latent caches (Kimi-K3's and the DFlash2-MLA drafter's) "
+    context_parallel: bool | None = Field(
+        None, description="Split every sequence's MLA latent caches (Kimi-K3's and the DFlash2-MLA drafter's) "
         "across the tensor-parallel ranks by token: each rank keeps 1/tensor_parallel_size of them, so a GPU "
         "holds more sequences (dflash-batch plan shows how many), for two collectives per MLA layer. Needs an "
-        "MLA target and drafter, tensor_parallel_size > 1 dividing page_size, and the torch backend (the "
-        "flashinfer backend has no split yet); refused elsewhere.")
+        "MLA target and drafter, and tensor_parallel_size > 1 dividing page_size; true elsewhere is refused. "
+        "Absent: on where it pays, which the memory plan decides: with engine.gpu_memory set, when the buckets "
+        "as written do not fit a GPU without it (run and validate say so); off otherwise.")
     cuda_graphs: bool | None = Field(
         None, description="Capture the decode round as CUDA graphs. Absent: on where they can run (a "
         "CUDA device, a Qwen3 target, one rank); true where they cannot is refused.")

@@ -111,6 +111,18 @@ class Plan:
     def fits(self) -> bool:
         return all(map(self.holds, self.buckets))
 
+    def uses_split(self, setting: bool | None) -> bool:
+        """Whether the job runs with the latents split, given engine.context_parallel: as it says
+        where the split can run, or where it is absent, when the buckets as written do not fit a
+        GPU without it (the split costs two collectives a layer: it pays where it holds the batch)."""
+        return self.split is not None and (not self.fits if setting is None else setting)
+
+    def fits_with(self, setting: bool | None) -> bool:
+        """The buckets as written fit, with the split where the job uses it."""
+        if not self.uses_split(setting):
+            return self.fits
+        return all(self.holds(need) for need, _ in self.split)
+
     def table(self) -> str:
         lines = [*self.notes, f"per rank, TP{self.tp}, on a GPU of {gb(self.gpu)} GB:"]
         lines += [f"  {name:<40} {size / GB:>8.2f} GB" for name, size in {**self.weights, **self.fixed}.items()]
@@ -131,8 +143,9 @@ class Plan:
             if self.split:
                 split, largest = self.split[i]
                 lines.append(f"    latents split {self.tp} ways (engine.context_parallel): caches "
-                             f"{split.caches / GB:.2f} at {split.bucket.max_num_seqs} seqs ({_parts(split)}); largest "
-                             f"seqs {largest} (without: {self.largest[i]})")
+                             f"{split.caches / GB:.2f} at {split.bucket.max_num_seqs} seqs ({_parts(split)}), total "
+                             f"{(self.base + split.total) / GB:.2f}, fits {'yes' if self.holds(split) else 'NO'}; "
+                             f"largest seqs {largest} (without: {self.largest[i]})")
             for label, c in zip(("without the split", "with the split"), self.ceilings[i] if self.ceilings else ()):
                 if c is not None:
                     lines.append(f"    bandwidth ceiling, {label}: {c.describe(self.acc_len)}")
@@ -197,6 +210,11 @@ class _Sizer:
             torch_kernels = self.setup.kernels == "torch"
             self.widths = {m: activations.widths(m, self.dtype_bytes, torch_kernels)
                            for m in (self.target, self.drafter) if m}
+
+    def can_split(self) -> bool:
+        """Whether the pair's MLA latents split across this size's ranks (build.py's rules)."""
+        model = self.sized.model.model_copy(update={"tensor_parallel_size": self.tp})
+        return why_no_latent_split(self.sized.model_copy(update={"model": model})) is None
 
     def fixed(self, gpu: int, reserve: int | None) -> dict[str, int]:
         """What a rank holds besides weights and buckets: the attention workspace, the reserve."""
@@ -321,8 +339,7 @@ def plan_job(job: Job, job_dir: Path, gpu: int, tp: int | None = None, reserve: 
 
     largest = largest_of(sizer)
     needs = [sizer.need(b) for b in buckets]
-    at_tp = sizer.sized.model_copy(update={"model": sizer.sized.model.model_copy(update={"tensor_parallel_size": tp})})
-    splits = with_split and why_no_latent_split(at_tp) is None  # build.py's rules
+    splits = with_split and sizer.can_split()
     split_sizer = _Sizer(job, job_dir, tp, sizer.setup, latent_split=True) if splits else None
     split = list(zip([split_sizer.need(b) for b in buckets], largest_of(split_sizer))) if split_sizer else None
     ceilings = None
@@ -362,34 +379,49 @@ def _largest(fits, limit: int = 1 << 14) -> int:
 def smallest_tp(job: Job, job_dir: Path, gpu: int, reserve: int | None = None, above: int = 0,
                 as_written: bool = False) -> int | None:
     """The fewest ranks, more than `above`, at which one sequence of every bucket fits, or with
-    `as_written` each bucket's own max_num_seqs (None: not up to 64)."""
+    `as_written` each bucket's own max_num_seqs (None: not up to 64); with the MLA latents split
+    where engine.context_parallel is true, or absent and the split holds what the whole does not."""
+    setting = job.engine.context_parallel
     for tp in (t for t in TP_SIZES if t > above):
         try:
-            sizer = _Sizer(job, job_dir, tp, None)
+            whole = _Sizer(job, job_dir, tp, None)
+            sizers = [] if setting is True else [whole]
+            if setting is not False and whole.can_split():
+                sizers.append(_Sizer(job, job_dir, tp, whole.setup, latent_split=True))
         except JobError:  # a width that does not split over tp ranks
             continue
-        base = sum(sizer.weights().values()) + sum(sizer.fixed(gpu, reserve).values())
         buckets = [b if as_written else dataclasses.replace(b, max_num_seqs=1) for b in plan_buckets(job)]
-        if all(base + sizer.need(b).total <= gpu for b in buckets):
-            return tp
+        for sizer in sizers:
+            base = sum(sizer.weights().values()) + sum(sizer.fixed(gpu, reserve).values())
+            if all(base + sizer.need(b).total <= gpu for b in buckets):
+                return tp
     return None
 
 
-def check_fits(job: Job, job_dir: Path) -> None:
-    """Refuse a job whose buckets do not fit engine.gpu_memory (when set), with the plan's numbers
-    and what would make it fit: fewer sequences where one of every bucket fits, more ranks where
-    more would."""
+def fit_job(job: Job, job_dir: Path) -> Job:
+    """The job as it runs where engine.gpu_memory is set: engine.context_parallel decided where it
+    is absent (Plan.uses_split), and refused, with the plan's numbers and what would make it fit
+    (fewer sequences where one of every bucket fits, more ranks where more would), if its buckets
+    do not fit. Without engine.gpu_memory: as written (the split off unless asked)."""
     if job.engine.gpu_memory is None:
-        return
+        return job
     gpu = gpu_bytes(job.engine.gpu_memory)
-    plan = plan_job(job, job_dir, gpu)
-    if plan.fits:
-        return
-    ways = ["lower the buckets' max_num_seqs to 'largest seqs'"] if all(plan.largest) else []
+    setting = job.engine.context_parallel
+    plan = plan_job(job, job_dir, gpu, with_split=setting is not False)
+    if setting is None:
+        engine = job.engine.model_copy(update={"context_parallel": plan.uses_split(None)})
+        job = job.model_copy(update={"engine": engine})
+    if plan.fits_with(setting):
+        return job
+    split = plan.uses_split(setting)
+    largest = [n for _, n in plan.split] if split else plan.largest
+    where = "the 'latents split' lines' 'largest seqs'" if split else "'largest seqs'"
+    ways = [f"lower the buckets' max_num_seqs to {where}"] if all(largest) else []
     if tp := smallest_tp(job, job_dir, gpu, above=plan.tp, as_written=True):
         ways.append(f"use more ranks: tensor_parallel_size {tp} fits the job as written")
     elif not ways and (tp := smallest_tp(job, job_dir, gpu, above=plan.tp)):
         ways.append(f"use more ranks: tensor_parallel_size {tp} fits one sequence a bucket")
     advice = ", or ".join(ways) or "no tensor_parallel_size up to 64 fits one sequence a bucket"
-    raise JobError(f"engine.gpu_memory {job.engine.gpu_memory}: the job does not fit at TP{plan.tp} ({advice}):\n"
+    split = " with the MLA latents split" if split else ""
+    raise JobError(f"engine.gpu_memory {job.engine.gpu_memory}: the job does not fit at TP{plan.tp}{split} ({advice}):\n"
                    + plan.table())

@@ -15,6 +15,7 @@ import importlib.machinery
 import importlib.util
 import itertools
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -31,14 +32,14 @@ from dflash_batch.cli import main
 from dflash_batch.engine import choice
 from dflash_batch.engine.engine import Engine, runtime_tensors
 from dflash_batch.engine.request import Request, SamplingParams
-from dflash_batch.job import gpu_bytes, load_job
+from dflash_batch.job import JobError, gpu_bytes, load_job
 from dflash_batch.kernels import _triton, kda, moe_mxfp4, ops
 from dflash_batch.models import activations
 from dflash_batch.models.loader import load_model
 from dflash_batch.plan.buckets import plan_buckets
 from dflash_batch.plan.ceiling import ceiling, experts_touched
 from dflash_batch.plan.memory import planned_expert_bytes
-from dflash_batch.sizing import GB, default_reserve, plan_job
+from dflash_batch.sizing import GB, default_reserve, fit_job, plan_job
 from dflash_batch.testing.kimi import make_kimi_checkpoint
 from dflash_batch.testing.kimi_pair import make_kimi_pair
 from tests.engine_util import load_pair, make_drafter, make_target
@@ -310,18 +311,33 @@ JOBS = Path(__file__).resolve().parent.parent / "jobs"
 HEADROOM = 0.03
 
 
-@pytest.mark.parametrize("name, gpu", [("kimi-k3-dflash2.yaml", "gb300"), ("kimi-k3-dflash2-128k.yaml", "gb300"),
-                                       ("kimi-k3-dflash2-h200.yaml", "h200"), ("kimi-k3-dflash2-h100.yaml", "h100")])
-def test_every_production_job_keeps_its_headroom(name, gpu):
+@pytest.mark.parametrize("name, gpu, split", [
+    ("kimi-k3-dflash2.yaml", "gb300", True), ("kimi-k3-dflash2-128k.yaml", "gb300", True),
+    ("kimi-k3-dflash2-h200.yaml", "h200", True),
+    # TP32 on page_size 16 cannot split; at page_size 32 the split would hold fewer (the gathered
+    # heads of 32 ranks outweigh the latents it frees): `plan` shows both
+    ("kimi-k3-dflash2-h100.yaml", "h100", False)])
+def test_every_production_job_keeps_its_headroom(name, gpu, split):
     """With HEADROOM of the GPU added to the reserve (`dflash-batch plan JOB --reserve-gb R`, as the
-    job file says), every bucket fits and its max_num_seqs is the largest that does."""
+    job file says), every bucket fits and its max_num_seqs is the largest that does: with the MLA
+    latents split where the job file leaves engine.context_parallel to the plan and the buckets as
+    written need the split (each more than fits without it), without it elsewhere."""
     size = gpu_bytes(gpu)
     reserve = (default_reserve(size) + HEADROOM * size) / GB
     result = CliRunner().invoke(main, ["plan", str(JOBS / name), "--gpu-memory", gpu, "--reserve-gb", f"{reserve:.2f}"])
     assert result.exit_code == 0, result.output
-    assert result.output.rstrip().endswith("fits")
-    rows = [line.split() for line in result.output.splitlines() if line.strip()[:1].isdigit() and "-" in line]
-    assert rows and all(row[1] == row[-1] for row in rows), result.output  # seqs == largest seqs
+    out = result.output
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit() and "-" in line]
+    splits = re.findall(r"at (\d+) seqs .*, fits (yes|NO); largest seqs (\d+) \(without: (\d+)\)", out)
+    assert rows and len(splits) == (len(rows) if split else 0), out
+    if split:
+        assert out.rstrip().endswith("fits with the MLA latents split (engine.context_parallel: absent, so on: the "
+                                     "buckets as written need it)")
+        assert all(row[1] == largest and fits == "yes" and int(largest) > int(without)
+                   for row, (_, fits, largest, without) in zip(rows, splits)), out
+    else:
+        assert out.rstrip().endswith("fits")
+        assert all(row[1] == row[-1] for row in rows), out  # seqs == largest seqs
     assert f"--reserve-gb {reserve:.2f}" in (JOBS / name).read_text()
 
 
@@ -368,17 +384,29 @@ def test_plan_refuses_arguments_out_of_range_in_one_line(args, error):
     assert len(result.output.splitlines()) == 1 and result.output.startswith(f"error: {error}"), result.output
 
 
-def test_validate_says_what_would_make_a_job_fit(tmp_path):
+@pytest.mark.parametrize("change, advice", [
+    # the latents split (engine.context_parallel absent: on, the buckets need it), more sequences than it holds
+    (dict(max_num_seqs=300), " with the MLA latents split (lower the buckets' max_num_seqs to the 'latents split' "
+                             "lines' 'largest seqs'):"),
+    # without the split, the first bucket as the job was before it: TP32 holds it
+    (dict(max_num_seqs=200, context_parallel=False, second=14),
+     " (lower the buckets' max_num_seqs to 'largest seqs', or use more ranks: tensor_parallel_size 32 fits the job "
+     "as written):"),
+], ids=["split", "not split"])
+def test_validate_says_what_would_make_a_job_fit(tmp_path, change, advice):
     """The H200 job (TP16) with more sequences than fit its first bucket: fewer sequences, or the
     fewest ranks above its own at which it fits as written (not its own 16)."""
     (tmp_path / "models").symlink_to(JOBS / "models")  # the shipped configs beside the job file
     doc = yaml.safe_load((JOBS / "kimi-k3-dflash2-h200.yaml").read_text())
-    doc["buckets"][0]["max_num_seqs"] = 200
+    doc["buckets"][0]["max_num_seqs"] = change["max_num_seqs"]
+    if "second" in change:
+        doc["buckets"][1]["max_num_seqs"] = change["second"]
+    if "context_parallel" in change:
+        doc["engine"]["context_parallel"] = change["context_parallel"]
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(doc))
     result = CliRunner().invoke(main, ["validate", "--no-inputs", str(tmp_path / "job.yaml")])
     assert result.exit_code == 2, result.output
-    assert ("error: engine.gpu_memory h200: the job does not fit at TP16 (lower the buckets' max_num_seqs to "
-            "'largest seqs', or use more ranks: tensor_parallel_size 32 fits the job as written):") in result.output
+    assert f"error: engine.gpu_memory h200: the job does not fit at TP16{advice}" in result.output
 
 
 def test_the_h200_job_is_refused_at_tp8_with_the_numbers():
@@ -432,7 +460,7 @@ def test_the_plan_shows_each_buckets_caches_by_component():
         slots, rest = divmod(need.parts["target MLA latent"], per_slot)
         b = need.bucket
         assert rest == 0 and b.max_num_seqs * b.max_tokens <= slots <= (b.max_num_seqs + 1) * (b.max_tokens + 64)
-    assert "    caches: target MLA latent 10.89, target KDA state 1.42," in plan.table()
+    assert "    caches: target MLA latent 39.26, target KDA state 5.05," in plan.table()
 
 
 def test_the_split_caches_are_the_bytes_a_split_engine_allocates(jobs, tmp_path, monkeypatch):
@@ -490,3 +518,25 @@ def test_the_ceiling_is_the_bytes_over_the_bandwidth():
     half = ceiling(seqs=10, block=8, tp=2, dense=0, routed=1_000, caches=0, tbps=1e-9, acc_len=4.0, experts=80,
                    per_token=1)
     assert half.read == int(1_000 * experts_touched(80, 80, 1))
+
+
+def test_the_split_is_on_by_default_where_the_buckets_need_it():
+    """engine.context_parallel absent: run and validate (sizing.fit_job) turn the split on where the
+    buckets as written do not fit a GPU without it and do with it (the GB300 and H200 jobs), and
+    leave it off where they fit without it (those jobs at the batches that fit unsplit; the H100
+    job, whose TP32 cannot split a 16-token page); set, it is kept, and false with batches only
+    the split holds is refused."""
+    for name, split in (("kimi-k3-dflash2.yaml", True), ("kimi-k3-dflash2-h200.yaml", True),
+                        ("kimi-k3-dflash2-h100.yaml", False)):
+        job = load_job(JOBS / name)
+        assert job.engine.context_parallel is None
+        assert fit_job(job, JOBS).engine.context_parallel is split, name
+    h200 = load_job(JOBS / "kimi-k3-dflash2-h200.yaml")
+    unsplit = h200.model_copy(update={"buckets": [b.model_copy(update={"max_num_seqs": n})
+                                                  for b, n in zip(h200.buckets, (48, 14))]})
+    assert fit_job(unsplit, JOBS).engine.context_parallel is False
+    forced = unsplit.model_copy(update={"engine": unsplit.engine.model_copy(update={"context_parallel": True})})
+    assert fit_job(forced, JOBS).engine.context_parallel is True
+    off = h200.model_copy(update={"engine": h200.engine.model_copy(update={"context_parallel": False})})
+    with pytest.raises(JobError, match=r"does not fit at TP16 \(lower the buckets' max_num_seqs to 'largest seqs'"):
+        fit_job(off, JOBS)
