@@ -373,8 +373,10 @@ def plan_command(job_file: str, gpu_memory: str | None, gpus_per_node: int, tens
     except JobError as e:
         _fail(e)
     setting = job.engine.context_parallel
-    split = (" with the MLA latents split (engine.context_parallel: "
-             + ("true)" if setting else "absent, so on: the buckets as written need it)")) if plan.uses_split(setting) else ""
+    split = ""
+    if plan.uses_split(setting):
+        why = "true" if setting else "absent, so on: the buckets as written need it"
+        split = f" with the MLA latents split (engine.context_parallel: {why})"
     if not plan.fits_with(setting):
         click.echo(f"{job_file}: does not fit at TP{plan.tp}{split} on a GPU of {gb(gpu)} GB (see 'NO' above)",
                    err=True)

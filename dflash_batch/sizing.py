@@ -423,5 +423,5 @@ def fit_job(job: Job, job_dir: Path) -> Job:
         ways.append(f"use more ranks: tensor_parallel_size {tp} fits one sequence a bucket")
     advice = ", or ".join(ways) or "no tensor_parallel_size up to 64 fits one sequence a bucket"
     split = " with the MLA latents split" if split else ""
-    raise JobError(f"engine.gpu_memory {job.engine.gpu_memory}: the job does not fit at TP{plan.tp}{split} ({advice}):\n"
-                   + plan.table())
+    raise JobError(f"engine.gpu_memory {job.engine.gpu_memory}: the job does not fit at TP{plan.tp}{split} "
+                   f"({advice}):\n" + plan.table())
