@@ -106,12 +106,12 @@ def tp1(pair, tmp_path_factory) -> Path:
     return d / "out"
 
 
-@pytest.mark.slow
 # The split case aborts a rank at exit (SIGABRT in gloo's teardown) in about 1 run of 5 under CI's
 # load, after its rows are written; skipped until that exit is fixed (issue 39 stays open for it).
 SPLIT_EXIT = pytest.mark.skip(reason="a rank aborts at exit in ~1 of 5 runs under load (gloo teardown)")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("context_parallel", [False, pytest.param(True, marks=SPLIT_EXIT)],
                          ids=["heads split", "latents split too"])
 def test_tp4_across_two_nodes_equals_tp1(pair, tp1, tmp_path, context_parallel):
