@@ -44,13 +44,18 @@ def position_slots(tables: list[list[int]], rows: list[int | None], seq: torch.T
     """Global cache slot of position pos[k] of sequence seq[k]: in its pages or, with ring_pages, in
     its batch row's ring (row r owns ring pages r * ring_pages ..; no row: the scratch page)."""
     if ring_pages is None:
-        width = max(map(len, tables))
-        padded = torch.tensor([t + [scratch_page] * (width - len(t)) for t in tables])
-        page = padded[seq, (pos // page_size).clamp(max=width - 1)]
+        padded = _padded(tables, scratch_page)
+        page = padded[seq, (pos // page_size).clamp(max=padded.shape[1] - 1)]
     else:
         row = torch.tensor([-1 if r is None else r for r in rows])[seq]
         page = torch.where(row >= 0, row * ring_pages + (pos // page_size) % ring_pages, scratch_page)
     return page * page_size + pos % page_size
+
+
+def _padded(tables: list[list[int]], scratch_page: int) -> torch.Tensor:
+    """[sequences, widest table] page ids, short tables padded with the scratch page."""
+    width = max(map(len, tables))
+    return torch.tensor([t + [scratch_page] * (width - len(t)) for t in tables])
 
 
 def _i32(values: torch.Tensor) -> torch.Tensor:
@@ -74,27 +79,25 @@ def paged_rows(q_lens: list[int], kv_lens: list[int], tables: list[list[int]], p
     pos = kv_len[seq] - q[seq] + index
     seen = local_len(pos + 1 if causal else kv_len[seq], split)
     dead = seen == 0
+    chains = causal and not one_per_query  # the only wrapper sequences that reorder queries
     if not causal:
         chain = seq  # every query of a sequence sees the same keys
     elif one_per_query:
         chain = torch.arange(total)
     else:  # queries `ways` apart see one more key each; a dead one goes alone (the scratch key)
         chain = torch.where(dead, n * ways + torch.arange(total), seq * ways + index % ways)
-    order = torch.argsort(chain * total + index)
-    sorted_chain = chain[order]
-    _, counts = torch.unique_consecutive(sorted_chain, return_counts=True)
+    order = torch.argsort(chain * total + index) if chains else torch.arange(total)
+    _, counts = torch.unique_consecutive(chain[order], return_counts=True)
     last = order[counts.cumsum(0) - 1]                      # each chain's last query (forward row)
     keys, owner = seen[last], seq[last]
     empty = keys == 0
     keys = torch.where(empty, 1, keys)
     local_page = page_size // ways
     pages = -(-keys // local_page)
-    width = max(map(len, tables))
-    padded = torch.tensor([t + [scratch_page] * (width - len(t)) for t in tables])
-    chain_tables = torch.where(empty[:, None], scratch_page, padded[owner])
-    indices = chain_tables[torch.arange(width)[None, :] < pages[:, None]]
-    same = bool((order == torch.arange(total)).all())
-    return SplitRows((_indptr(counts), _indptr(pages), _i32(indices), _i32(keys)), None if same else order, dead)
+    chain_tables = torch.where(empty[:, None], scratch_page, _padded(tables, scratch_page)[owner])
+    indices = chain_tables[torch.arange(chain_tables.shape[1])[None, :] < pages[:, None]]
+    reordered = chains and not bool((order == torch.arange(total)).all())
+    return SplitRows((_indptr(counts), _indptr(pages), _i32(indices), _i32(keys)), order if reordered else None, dead)
 
 
 def window_rows(q_lens: list[int], kv_lens: list[int], tables: list[list[int]], rows: list[int | None],
