@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import click
 import orjson
@@ -27,13 +28,25 @@ EXIT_PREEMPTED = 143  # 128 + SIGTERM: Slurm's --requeue and wrappers read it as
 RESUME_HINT = "finished rows are committed; rerun the same command to resume"
 
 
-def exit_now(code: int) -> None:
+def exit_now(code: int) -> NoReturn:
     """Exit without the interpreter's teardown (a second or more with torch loaded on a busy
     node, which a preempted task does not have before SIGKILL): every row is committed and
     synced already; only the standard streams need flushing."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def end_rank(code: int) -> NoReturn:
+    """End a torchrun or srun rank with `code`, its exit handlers run, without the interpreter's
+    teardown. After an engine run the gloo group's threads outlive destroy_process_group
+    (something in C++ still holds the group: seen in /proc after it, never with a model-free
+    run); the teardown then destroys them while they are joinable, and the rank dies by SIGABRT
+    ("terminate called without an active exception") after a run that succeeded: about one
+    two-node run in five under load, its launch failed and the other node's torchrun waiting out
+    its 300 s exit barrier (tests/test_multinode.py)."""
+    atexit._run_exitfuncs()
+    exit_now(code)
 
 
 @contextlib.contextmanager
@@ -175,8 +188,22 @@ def _tp_rank(rank: int, world: int, port: int, job: Job, shard: Shard, progress:
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=rank, world_size=world)
     try:
         _run_shard(job, shard, progress, job_file)
-    finally:
+    except SystemExit as e:  # its code is the rank's exit status, which the parent's join returns
         dist.destroy_process_group()
+        end_rank(_exit_code(e))
+    except BaseException:  # multiprocessing reports it to the parent (a traceback) and exits 1
+        dist.destroy_process_group()
+        raise
+    dist.destroy_process_group()
+    end_rank(0)
+
+
+def _exit_code(e: SystemExit) -> int:
+    """The status a SystemExit asks for (a message: printed, status 1, as Python does)."""
+    if e.code is None or isinstance(e.code, int):
+        return e.code or 0
+    click.echo(e.code, err=True)
+    return 1
 
 
 @main.command()
@@ -236,11 +263,12 @@ def _run(job_file: str, shard_text: str | None, output_dir: str | None, no_progr
             if isinstance(e, DistError) or "closed by peer" in str(e):  # NCCL's word for a rank gone; gloo's
                 click.echo("the tensor-parallel group lost a rank: the first one to fail names itself in its "
                            f"log (a rank killed outright names nobody: see its node's log). {RESUME_HINT}", err=True)
-            sys.exit(1)  # the group not left: shutting it down could wait on the rank that is gone
-        except SystemExit:  # a run that stops itself (too many error rows, a bad job): its group is whole
+            end_rank(1)  # the group not left: shutting it down could wait on the rank that is gone
+        except SystemExit as e:  # a run that stops itself (too many error rows, a bad job): its group is whole
             parallel.leave_group()
-            raise
+            end_rank(_exit_code(e))
         parallel.leave_group()
+        end_rank(0)
     elif tp == 1:
         _set_threads(1)
         _run_shard(job, shard, not no_progress, job_file)

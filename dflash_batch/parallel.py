@@ -212,12 +212,9 @@ def init_from_env(backend: str | None = None) -> bool:
 
 
 def leave_group() -> None:
-    """Shut this rank's process group down, its threads joined, while the interpreter is whole.
-    Left to the interpreter's exit, a gloo worker thread still freeing its last collective's
-    tensors may need the GIL after finalization began: Python ends that thread, the rank dies by
-    SIGABRT ("terminate called without an active exception") after a run that succeeded, and its
-    torchrun or srun launch fails (pytorch/pytorch#190489). A group a rank was lost from is not
-    left this way: shutting it down could wait on the rank that is gone."""
+    """Shut this rank's process group down while the interpreter is whole (NCCL's communicators
+    freed in order; a rank then ends by cli.end_rank, not the interpreter's teardown). A group a
+    rank was lost from is not left this way: shutting it down could wait on the rank that is gone."""
     if dist.is_initialized():
         dist.destroy_process_group()
 
