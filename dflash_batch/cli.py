@@ -186,16 +186,14 @@ def _tp_rank(rank: int, world: int, port: int, job: Job, shard: Shard, progress:
     if torch.cuda.is_available():  # before the group: NCCL binds to the current GPU
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=rank, world_size=world)
-    try:
+    code = 0
+    try:  # another exception: multiprocessing reports it to the parent (a traceback) and exits 1
         _run_shard(job, shard, progress, job_file)
     except SystemExit as e:  # its code is the rank's exit status, which the parent's join returns
+        code = _exit_code(e)
+    finally:
         dist.destroy_process_group()
-        end_rank(_exit_code(e))
-    except BaseException:  # multiprocessing reports it to the parent (a traceback) and exits 1
-        dist.destroy_process_group()
-        raise
-    dist.destroy_process_group()
-    end_rank(0)
+    end_rank(code)
 
 
 def _exit_code(e: SystemExit) -> int:
