@@ -82,6 +82,11 @@ def _table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+def _share(fraction: float | None) -> str | None:
+    """The share of prompt tokens taken from shared heads or forked prefills (cached_tokens)."""
+    return None if fraction is None else f"{fraction:.0%}"
+
+
 @click.group()
 @click.version_option(package_name="dflash-batch")
 def main() -> None:
@@ -115,9 +120,11 @@ def _run_shard(job: Job, shard: Shard, progress: bool, job_file: str,
         click.echo(f"shard {result.shard}: already complete for these inputs; nothing to do")
     elif parallel.rank() == 0:
         click.echo(f"\nshard {result.shard}: {result.rows_written} rows committed this run")
-        click.echo(_table(["bucket", "rows", "ok", "error", "tokens", "acc_len", "proposal_acc"],
-                          [[name, s["rows"], s["ok"], s["error"], s["completion_tokens"], s["acc_len"],
-                            s["proposal_acceptance"]] for name, s in result.stats.items()]))
+        click.echo(_table(["bucket", "rows", "ok", "error", "prompt tokens", "cached", "tokens", "acc_len",
+                           "proposal_acc"],
+                          [[name, s["rows"], s["ok"], s["error"], s["prompt_tokens"], _share(s["cached_share"]),
+                            s["completion_tokens"], s["acc_len"], s["proposal_acceptance"]]
+                           for name, s in result.stats.items()]))
     tally = result.progress
     if tally is None:
         return
@@ -456,8 +463,10 @@ def status(out_dir: str) -> None:
                       [[i, expected[i], by_shard[(i, "ok")], by_shard[(i, "error")], states[i]]
                        for i in range(num_shards)]))
     names = sorted({k for k, _ in by_bucket}, key=lambda x: (x is None, x))
-    click.echo("\n" + _table(["bucket", "ok", "error"],
-                             [[n, by_bucket[(n, "ok")], by_bucket[(n, "error")]] for n in names]))
+    click.echo("\n" + _table(["bucket", "ok", "error", "prompt tokens", "cached"],
+                             [[n, by_bucket[(n, "ok")], by_bucket[(n, "error")], by_bucket[(n, "prompt_tokens")],
+                               _share(by_bucket[(n, "cached_tokens")] / by_bucket[(n, "prompt_tokens")]
+                                      if by_bucket[(n, "prompt_tokens")] else None)] for n in names]))
     ok = sum(c for (_, status), c in by_shard.items() if status == "ok")
     click.echo(f"\ntotal: {ok} ok, {sum(by_shard.values()) - ok} error, {num_shards} shard(s), "
                f"{states.count('complete')} complete")

@@ -85,6 +85,7 @@ class RowDecoder:
         out = {**self._base_row(row, c.key[1], seed), "status": "ok", "response": c.text,
                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                "completion_tokens": len(c.token_ids), "response_token_ids": c.token_ids,
+               "cached_tokens": c.cached_tokens,
                "ttft_s": c.ttft_s, "latency_s": c.latency_s}
         if self.delimiters is not None:
             by_string = c.stop_reason is not None and c.stop_reason in row.sampling.stop
@@ -150,6 +151,7 @@ class RowDecoder:
         bar = tqdm(total=len(requests), desc=f"bucket {bucket.name}", unit="req",
                    disable=not self.progress, leave=True, dynamic_ncols=True)
         tokens, rounds, accepted, t0 = 0, 0, 0, time.monotonic()
+        prompted = cached = 0  # prompt tokens of the finished samples, and of those taken from shared heads
         shown = t0
         try:
             for c in self.engine.generate(requests, bucket):  # a list: the engine may count it
@@ -157,6 +159,7 @@ class RowDecoder:
                 self._commit_sample(row, c.key[1], self._ok_row(row, seed, c) if c.error_type is None
                                     else self._failed_row(row, seed, c))
                 tokens += len(c.token_ids)
+                prompted, cached = prompted + len(row.prompt_ids), cached + c.cached_tokens
                 if c.spec is not None:
                     rounds, accepted = rounds + c.spec.rounds, accepted + c.spec.accepted
                 bar.update(1)
@@ -165,6 +168,8 @@ class RowDecoder:
                     post = {"tok/s": f"{tokens / (now - t0):.0f}"}
                     if rounds:
                         post["acc_len"] = f"{1 + accepted / rounds:.2f}"
+                    if cached:
+                        post["cached"] = f"{cached / prompted:.0%}"  # of prompt tokens: shared heads, forks
                     schedule = getattr(self.engine, "schedules", {}).get(bucket.name)
                     if schedule is not None and schedule.k is not None and not schedule.off:
                         post["k"] = schedule.k  # drafts the last round verified

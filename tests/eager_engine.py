@@ -20,6 +20,7 @@ import torch
 
 from dflash_batch.engine.cache import SeqRows, build_meta, row_pages
 from dflash_batch.engine.engine import Engine
+from dflash_batch.engine.heads import HeadPool
 from dflash_batch.engine.request import Completion, Request
 from dflash_batch.engine.sampling import choose_tokens
 from dflash_batch.engine.sequence import Sequence
@@ -57,7 +58,9 @@ class EagerEngine(Engine):
                         self.target.reset_state(slot)
                     prefilling.append(Sequence(req, row_pages(slot, pages_per_row), block, slot))
                 if prefilling:
-                    done = self._prefill(self._prefill_chunk(prefilling, self.budget), block, [])
+                    no_heads = HeadPool({}, 0, 0, self.page_size)
+                    done = self._prefill(self._prefill_chunk(prefilling, self.budget, no_heads.stop), block, [],
+                                         no_heads)
                     self._draft([s for s in done if not s.finish_reason], block)
                     prefilling = [s for s in prefilling if s not in done]
                     running += done

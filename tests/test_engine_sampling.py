@@ -195,10 +195,10 @@ def test_prefill_chunks_of_a_sequence_do_not_depend_on_its_neighbours(models, mo
     the batch: each prompt's chunks are the same alone, beside others, and in any order."""
     seen: dict[tuple, list[tuple[int, int]]] = {}
 
-    def spy(self, chunks, block, caches):
+    def spy(self, chunks, block, caches, heads):
         for seq, n in chunks:
             seen.setdefault(tuple(seq.prompt), []).append((seq.prefilled, n))
-        return original(self, chunks, block, caches)
+        return original(self, chunks, block, caches, heads)
 
     original = Engine._prefill
     monkeypatch.setattr(Engine, "_prefill", spy)

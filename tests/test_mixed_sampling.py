@@ -5,6 +5,8 @@ per-row overrides from sampling_columns. float64, so "exactly" is exact."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -129,3 +131,28 @@ def test_logprob_columns_through_run(tmp_path, qwen3):
             assert got["prompt_logprobs"][1:] == pytest.approx(c.prompt_logprobs.token[1:], abs=1e-6)
             assert got["prompt_top_logprob_ids"][1:] == c.prompt_logprobs.top_ids[1:]
             assert [len(x) for x in got["prompt_top_logprob_ids"][1:]] == [row["plp"]] * (len(row["ids"]) - 1)
+
+
+def test_shared_heads_through_run(tmp_path, qwen3):
+    """Rows that share an 80-token head: each row's cached_tokens is what it took from the head
+    (all but the head's first row), summed per bucket by the run's stats and by `status`; the
+    outputs equal each row decoded alone."""
+    from click.testing import CliRunner
+
+    from dflash_batch.cli import main
+    from dflash_batch.io.ledger import write_shard_stats
+
+    head = random_prompts([80], seed=5)[0]
+    rows = [{"id": f"r{i}", "ids": head + t} for i, t in enumerate(random_prompts([3, 20, 1, 9], seed=6))]
+    rows.append({"id": "alone", "ids": random_prompts([30], seed=7)[0]})
+    engine, out = _run(tmp_path, qwen3, rows, {}, sampling={"max_new_tokens": 6})
+    assert sorted(r["cached_tokens"] for r in out.values()) == [0, 0, 80, 80, 80]
+    for row in rows:
+        alone = Request((row["id"], 0), row["ids"], SamplingParams(max_new_tokens=6, seed=out[row["id"]]["seed"]))
+        assert out[row["id"]]["response_token_ids"] == decoded(engine, [alone], 1)[alone.key][0], row["id"]
+    stats = write_shard_stats(tmp_path / "out", 0, complete=False)
+    (bucket_stats,) = stats.values()
+    prompt = sum(len(r["ids"]) for r in rows)
+    assert (bucket_stats["prompt_tokens"], bucket_stats["cached_tokens"]) == (prompt, 240)
+    status = CliRunner().invoke(main, ["status", str(tmp_path / "out")])
+    assert re.search(rf"0-256 +5 +0 +{prompt} +{240 / prompt:.0%}", status.output), status.output

@@ -114,7 +114,8 @@ def test_requests_run_as_our_own_columns_and_export_parses(tmp_path, pair):
         assert len(body["choices"]) == (2 if "sampled" in custom_id else 1)
         prompt, completion = samples[0]["prompt_tokens"], sum(s["completion_tokens"] for s in samples)
         assert body["usage"] == {"prompt_tokens": prompt, "completion_tokens": completion,
-                                 "total_tokens": prompt + completion}
+                                 "total_tokens": prompt + completion,
+                                 "prompt_tokens_details": {"cached_tokens": samples[0]["cached_tokens"]}}
         for choice, s in zip(body["choices"], samples):
             text = choice["message"]["content"] if custom_id.startswith("chat") else choice["text"]
             assert text == s["response"] and choice["finish_reason"] == s["finish_reason"]

@@ -20,19 +20,22 @@ from dflash_batch.limits import MAX_LOGIT_BIAS, MAX_LOGPROBS
 class DecodeBatch:
     def __init__(self, rows: int, block: int, max_pages: int, page_size: int, sequences: int,
                  device: torch.device | str, vocab_size: int, like: DecodeBatch | None = None,
-                 ring: Ring | None = None):
+                 ring: Ring | None = None, head_pages: int = 0):
         """`rows` (>= `sequences`, padded up to a capture size); the first `sequences` state slots
         and `sequences * max_pages` pages belong to the rows that can run one; the next slot and
         page are scratch for padding rows (the engine allocates them). `like`: the previous
         bucket's batch; what its requests made it grow (stop ids, bias, counts, logprobs) is
         allocated now, so this batch's graphs cover it. `ring`: the geometry of the drafter's ring
-        caches, if it keeps any."""
+        caches, if it keeps any. `head_pages`: the pool of shared heads' pages past the scratch
+        page (engine/heads.py); rows then no longer own every slot they read."""
         def full(shape, value, dtype=torch.int64):
             return torch.full(shape, value, dtype=dtype, device=device)
 
         self.rows, self.block, self.page_size, self.device, self.ring = rows, block, page_size, device, ring
         self.scratch_state, self.scratch_page = sequences, sequences * max_pages
-        self.num_slots = (self.scratch_page + 1) * page_size  # cache slots: the rows' pages and scratch
+        self.head_pages = head_pages
+        self.num_slots = (self.scratch_page + 1 + head_pages) * page_size  # the rows' pages, scratch, heads
+        self.rows_own_slots = not head_pages  # AttnMeta.rows_own_slots of its rounds
         # What backends that plan on the host read: each row's pages.
         self.host_tables: list[list[int]] = [[] for _ in range(rows)]
         self.ids = full((rows, block), 0)             # [anchor, d_1..d_{B-1}] of the next verify

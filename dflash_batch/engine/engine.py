@@ -24,6 +24,7 @@ from dflash_batch.engine.batch import DecodeBatch
 from dflash_batch.engine.cache import SeqRows, build_meta, row_pages, slots
 from dflash_batch.engine.compile_policy import CompileWhenItPays
 from dflash_batch.engine.graphs import RoundGraphs
+from dflash_batch.engine.heads import HeadPool, plan_heads, pool_pages
 from dflash_batch.engine.queue import Queue
 from dflash_batch.engine.request import Completion, Logprobs, Request
 from dflash_batch.engine.round import ERROR, Round
@@ -115,16 +116,20 @@ class Engine:
 
     # -- public --------------------------------------------------------------------------------
     def generate(self, requests: Iterable[Request], bucket: Bucket) -> Iterator[Completion]:
+        """Decode the bucket's requests (read at once: with share_prompts, the heads they share
+        are found first, plan/heads.py, and their members admitted together)."""
+        requests, heads = plan_heads(list(requests)) if self.share_prompts else (requests, {})
         block, pages_per_row, models = self._shape(bucket)
         seqs = bucket.max_num_seqs
-        shape = (seqs, pages_per_row, block)
+        head_pages = pool_pages(list(set(heads.values())), self.page_size, pages_per_row)
+        shape = (seqs, pages_per_row, block, head_pages)
         kept = self.bucket_state
         # Reused while the shape holds and the models still hold these caches (another engine
         # sharing the models may have allocated its own).
         # A batch whose stop-id tensor had to grow is replaced (its graphs read the old one).
         if (kept is None or kept[0] != shape or kept[2].reshaped
                 or any(a is not b for a, b in zip(runtime_tensors(models), kept[1]))):
-            self.allocate(bucket)
+            self.allocate(bucket, head_pages)
         # Not the state's list of runtime tensors: those an auto bucket replaces (its verify staging,
         # by one-row staging) must go when the state does.
         del kept
@@ -143,7 +148,7 @@ class Engine:
             t for t in runtime_tensors([self.drafter]) if t.shape[0] == self.ring.slots(seqs, self.page_size) // split]
         batch.clear_all()  # a previous generate that was closed early may have left rows
         schedule = self._schedule(bucket, block, batch, step, graphs) if block > 1 else None
-        q = Queue(requests, seqs, self.budget)
+        q = Queue(requests, seqs, self.budget, HeadPool(heads, seqs * pages_per_row + 1, head_pages, self.page_size))
         # inference_mode dispatches small ops faster; torch.compile wants plain no_grad tensors.
         with torch.no_grad() if self.compile else torch.inference_mode():
             while True:
@@ -155,10 +160,11 @@ class Engine:
                         self.target.reset_state(row)  # the row's slot still holds its last sequence's state
                     q.start(Sequence(req, row_pages(row, pages_per_row), block, row), self.share_prompts)
                 if q.prefilling:
-                    ready = q.prefilling
-                    if self.share_prompts and not self.recurrent:  # (a KDA state cannot be copied at a prefix)
-                        ready = self._copy_heads(q, caches)
-                    chunks = self._prefill_chunk(ready, q.prefill_budget)
+                    for seq in q.heads.entering(q.prefilling):
+                        q.heads.enter(seq, self._copier(caches), self.target, self.ring_caches, self._ring_span(),
+                                      self._score)
+                    ready = [s for s in q.prefilling if not q.heads.waits(s)]
+                    chunks = self._prefill_chunk(ready, q.prefill_budget, q.heads.stop)
                     involved = [seq for seq, _ in chunks]
                 else:
                     involved = [s for s in q.running if s is not None]
@@ -167,7 +173,7 @@ class Engine:
                 switch = None  # why an auto bucket stops speculating after this step
                 try:
                     if q.prefilling:
-                        finished = self._prefill(chunks, block, caches)
+                        finished = self._prefill(chunks, block, caches, q.heads)
                         for seq in finished:
                             q.prefilled(seq)
                         for seq in (s for s in finished if not s.finish_reason):
@@ -245,9 +251,10 @@ class Engine:
         return []
 
     # -- steps ---------------------------------------------------------------------------------
-    def allocate(self, bucket: Bucket) -> DecodeBatch:
+    def allocate(self, bucket: Bucket, head_pages: int = 0) -> DecodeBatch:
         """A bucket's caches, state and decoding state (on the meta device: what they would take,
-        sizing.py), kept for generate while the next bucket has the same shape."""
+        sizing.py), with a pool of `head_pages` for shared heads (engine/heads.py), kept for
+        generate while the next bucket has the same shape."""
         block, pages_per_row, models = self._shape(bucket)
         previous = self.bucket_state[2] if self.bucket_state is not None else None
         # The last bucket's graphs and the caches it held go before this one's come (the models
@@ -255,8 +262,9 @@ class Engine:
         self.bucket_state = None
         if block == 1 and self.drafter is not None:
             release_caches(self.drafter)  # a bucket without the drafter does not hold its caches
-        batch, step, graphs = self._allocate(bucket, block, pages_per_row, models, previous)
-        self.bucket_state = ((bucket.max_num_seqs, pages_per_row, block), runtime_tensors(models), batch, step, graphs)
+        batch, step, graphs = self._allocate(bucket, block, pages_per_row, models, previous, head_pages)
+        self.bucket_state = ((bucket.max_num_seqs, pages_per_row, block, head_pages), runtime_tensors(models), batch,
+                             step, graphs)
         return batch
 
     def _shape(self, bucket: Bucket) -> tuple[int, int, list[torch.nn.Module]]:
@@ -266,12 +274,13 @@ class Engine:
         return block, -(-(bucket.max_tokens + block) // self.page_size), models
 
     def _allocate(self, bucket: Bucket, block: int, pages_per_row: int, models: list[torch.nn.Module],
-                  previous: DecodeBatch | None) -> tuple[DecodeBatch, Round, RoundGraphs | None]:
+                  previous: DecodeBatch | None, head_pages: int) -> tuple[DecodeBatch, Round, RoundGraphs | None]:
         """Caches, recurrent state, the decoding state and its graphs for buckets of this shape
         (kept while the next bucket has the same one: captured graphs read these tensors)."""
         seqs = bucket.max_num_seqs
         # One page past the rows' pages is scratch: padding rows write there and nothing reads it.
-        num_slots = (seqs * pages_per_row + 1) * self.page_size
+        # Shared heads' pages come after it.
+        num_slots = (seqs * pages_per_row + 1 + head_pages) * self.page_size
         split = self.latent_ways  # each rank keeps 1/split of the latent slots
         cache_bytes = self.target.allocate_cache(num_slots, self.dtype, self.device, **_split(split))
         ring = None
@@ -289,7 +298,7 @@ class Engine:
             self.target.allocate_state(seqs + 1, rows, block, self.device)
         # What the last bucket's requests made its batch grow is allocated at once: no second regrowth.
         batch = DecodeBatch(rows, block, pages_per_row, self.page_size, seqs, self.device, self.vocab_size, previous,
-                            ring)
+                            ring, head_pages)
         rings = f" (the drafter's sliding layers: rings of {ring.pages * self.page_size} slots)" if ring else ""
         self.log(f"bucket {bucket.name}: {seqs} rows of {pages_per_row * self.page_size} slots, block {block}, "
                  f"KV caches {cache_bytes / 2**20:.1f} MiB{rings}")
@@ -369,7 +378,7 @@ class Engine:
         running = [seq for seq in q.running if seq is not None]
         try:
             one = DecodeBatch(batch.rows, 1, pages_per_row, self.page_size, bucket.max_num_seqs, self.device,
-                              self.vocab_size, batch)
+                              self.vocab_size, batch, head_pages=batch.head_pages)
             if 1 not in self.rounds:
                 self.rounds[1] = Round(self.target, None, 1, self.page_size, self.ops, self.attention, self.compile)
             if not self.rounds[1].compiled:  # as the bucket's rounds ran
@@ -395,7 +404,7 @@ class Engine:
                 seq.spec = None
         self.schedules[bucket.name].off = True
         self.log(f"bucket {bucket.name}: speculation off (auto): {why}; target-only from here")
-        shape = (bucket.max_num_seqs, pages_per_row, 1)
+        shape = (bucket.max_num_seqs, pages_per_row, 1, batch.head_pages)
         self.bucket_state = (shape, runtime_tensors([self.target]), one, self.rounds[1], graphs)
         self.ring, self.ring_caches = None, []
         return one, self.rounds[1], graphs
@@ -406,21 +415,27 @@ class Engine:
         return next((s for s in self.capture_sizes or () if s >= n), max(n, 2) if self.compile else n)
 
     @staticmethod
-    def _prefill_chunk(prefilling: list[Sequence], budget: int) -> list[tuple[Sequence, int]]:
+    def _prefill_chunk(prefilling: list[Sequence], budget: int,
+                       stop: Callable[[Sequence], int | None]) -> list[tuple[Sequence, int]]:
         """The prompt chunks that run now: (sequence, tokens). A sequence's chunks end at multiples
         of `budget` from its first token, whatever its neighbours, so its prefill splits the same
-        way in any batch, shard or resume; a step takes whole chunks, first fit, up to `budget`."""
+        way in any batch, shard or resume, and at `stop(seq)` (a shared head's end) where it has
+        one; a step takes whole chunks, first fit, up to `budget`."""
         chosen, left = [], budget
         for seq in prefilling:
             n = min(len(seq.prompt) - seq.prefilled, budget - seq.prefilled % budget)
+            if (end := stop(seq)) is not None and seq.prefilled < end:
+                n = min(n, end - seq.prefilled)
             if n <= left:
                 chosen.append((seq, n))
                 left -= n
         return chosen
 
-    def _prefill(self, chunks: list[tuple[Sequence, int]], block: int, caches: list[torch.Tensor]) -> list[Sequence]:
+    def _prefill(self, chunks: list[tuple[Sequence, int]], block: int, caches: list[torch.Tensor],
+                 heads: HeadPool) -> list[Sequence]:
         """Run these prompt chunks; returns the sequences whose prompt is complete, each with its
-        first token (or failed: logits that are not finite), their followers among them."""
+        first token (or failed: logits that are not finite), their followers among them. A
+        leader whose chunk ends at its shared head's end keeps the head there."""
         seqs = [seq for seq, _ in chunks]
         rows = [SeqRows(seq.pages, seq.prefilled, n, seq.prefilled + n) for seq, n in chunks]
         # Logits are computed for the last prompt row (the first token) and, where prompt
@@ -445,6 +460,7 @@ class Engine:
         for seq, r in zip(seqs, rows):  # only now: a step that raised leaves nothing half-counted
             seq.prefilled += r.count
         self.prefill_tokens += len(ids)
+        scores = None
         if any(s.prompt_logprobs is not None for s in seqs):
             temperature = [s.params.temperature for s, r in zip(seqs, scored) for _ in r]
             scores = log_probs(logits, torch.tensor(temperature, device=self.device))
@@ -453,6 +469,10 @@ class Engine:
                     nexts = seq.prompt[r.start + 1:r.start + r.count + 1]
                     self._score(seq.prompt_logprobs, scores[here.start:here.start + len(nexts)], nexts,
                                 seq.params.prompt_logprobs)
+        for seq, here in zip(seqs, scored):
+            if heads.stop(seq) == seq.prefilled:  # its last row scores the token after the head
+                edge = scores[here[-1]].clone() if seq.prompt_logprobs is not None else None
+                heads.keep(seq, self._copier(caches), self.target, self.ring_caches, self._ring_span(), edge)
         finishing, last = [], []  # with the logits row each one's first token comes from
         for seq, here in zip(seqs, scored):
             if seq.prefilled == len(seq.prompt):
@@ -480,27 +500,11 @@ class Engine:
             seq.check_stop_strings(self.decode, 1)
         return finishing
 
-    def _copy_heads(self, q: Queue, caches: list[torch.Tensor]) -> list[Sequence]:
-        """Sequences about to start their prefill copy what another holds of their prompt's head
-        (engine/sharing.py); returns those that prefill now (not waiting to copy a head)."""
-        for seq in q.prefilling:
-            found = None if seq.prefilled else q.prompts.source(seq)
-            if found is not None:
-                source, count = found
-                if self.ring is not None:
-                    # A ring holds the source's latest positions, not the head's end: the new
-                    # sequence prefills the window before its prompt's end itself.
-                    count = min(count, len(seq.prompt) - self.drafter.window + 1)
-                if count > 0:
-                    self._copy_prompt(source, [seq], count, caches)
-        ready = [s for s in q.prefilling if not q.prompts.waits(s)]
-        return ready or q.prefilling
-
     def _fork(self, leader: Sequence, caches: list[torch.Tensor]) -> list[Sequence]:
         """The followers of a prefilled prompt start where it ends, with its recurrent state."""
         followers, leader.followers = leader.followers, []
         self._copy_prompt(leader, followers, len(leader.prompt), caches)
-        span = self.ring.pages * self.page_size // self.latent_ways if self.ring else 0
+        span = self._ring_span()
         for seq in followers:
             if self.recurrent:
                 self.target.copy_state(leader.row, seq.row)
@@ -508,20 +512,32 @@ class Engine:
                 ring[seq.row * span:(seq.row + 1) * span] = ring[leader.row * span:(leader.row + 1) * span]
         return followers
 
-    def _copy_prompt(self, source: Sequence, seqs: list[Sequence], n: int, caches: list[torch.Tensor]) -> None:
-        """`seqs` (sharing `source`'s first n prompt tokens) take those positions' cache slots (the
-        target's and the drafter's context) as prefilled; with prompt logprobs (the same K: only
-        a whole prompt is shared then), the source's."""
-        def where(seq: Sequence) -> torch.Tensor:
-            return torch.tensor(slots(seq.pages, range(n), self.page_size), dtype=torch.int64, device=self.device)
+    def _ring_span(self) -> int:
+        """Slots of one batch row's ring in this rank's ring caches (0: no rings)."""
+        return self.ring.pages * self.page_size // self.latent_ways if self.ring else 0
 
-        whole = where(source)
-        for seq in seqs:
-            # Under a latent split: the positions this rank keeps, at its rows (both have the same owners).
-            src, dst = self.split.owned_pairs(whole, where(seq)) if self.split else (whole, where(seq))
+    def _copier(self, caches: list[torch.Tensor]) -> Callable[[list[int], list[int]], None]:
+        """copy(src, dst): cache slots src -> dst in every slot-indexed cache (under a latent split,
+        the positions this rank keeps, at its rows: both hold the same positions, the same owners);
+        slots both lists share (a shared head's pages) are left alone."""
+        def copy(src: list[int], dst: list[int]) -> None:
+            pairs = [(s, d) for s, d in zip(src, dst, strict=True) if s != d]
+            if not pairs:
+                return
+            whole, to = (torch.tensor(x, dtype=torch.int64, device=self.device) for x in zip(*pairs))
+            src_rows, dst_rows = self.split.owned_pairs(whole, to) if self.split else (whole, to)
             for cache in caches:
-                cache[dst] = cache[src]
-            seq.prefilled = n
+                cache[dst_rows] = cache[src_rows]
+        return copy
+
+    def _copy_prompt(self, source: Sequence, seqs: list[Sequence], n: int, caches: list[torch.Tensor]) -> None:
+        """`seqs` (sharing `source`'s prompt) take its first n positions' cache slots (the
+        target's and the drafter's context) as prefilled; with prompt logprobs (the same K),
+        the source's."""
+        copy = self._copier(caches)
+        for seq in seqs:
+            copy(slots(source.pages, range(n), self.page_size), slots(seq.pages, range(n), self.page_size))
+            seq.prefilled = seq.cached = n
             if seq.prompt_logprobs is not None:  # the source's are complete: its prefill is done
                 # Entries 0..n: the copied rows score prompt tokens 1..n; its own prefill the rest.
                 seq.prompt_logprobs = source.prompt_logprobs.cut(min(n + 1, len(seq.prompt)))

@@ -8,6 +8,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from dflash_batch.engine.batch import DecodeBatch
+from dflash_batch.engine.heads import HeadPool
 from dflash_batch.engine.request import Request
 from dflash_batch.engine.sequence import Sequence
 from dflash_batch.engine.sharing import PromptIndex
@@ -18,7 +19,7 @@ class Queue:
     start over in front), the rows they take, which prefill and which decode, and how many may
     run at once after a failure."""
 
-    def __init__(self, requests: Iterable[Request], rows: int, prefill_budget: int):
+    def __init__(self, requests: Iterable[Request], rows: int, prefill_budget: int, heads: HeadPool):
         self.incoming, self.again = iter(requests), deque()
         self.free_rows = list(range(rows))  # a heap: new sequences take the lowest row
         self.prefilling: list[Sequence] = []
@@ -28,20 +29,23 @@ class Queue:
         self.suspects: set = set()  # keys of requests that start over one at a time
         self.exhausted = False
         self.prompts = PromptIndex()
+        self.heads = heads
 
     def active(self) -> int:
         waiting = sum(len(s.followers) for s in self.prefilling)
         return len(self.prefilling) + waiting + sum(s is not None for s in self.running)
 
     def start(self, seq: Sequence, share: bool) -> None:
-        """Prefill `seq`, or (`share`) let it follow a sequence prefilling the same prompt."""
+        """Prefill `seq`, or (`share`) let it follow a sequence prefilling the same prompt; a
+        member of a shared head joins it."""
         leader = self.prompts.leader(seq) if share else None
         if leader is not None:
             leader.followers.append(seq)
         else:
             self.prefilling.append(seq)
-        if share:
-            self.prompts.add(seq, prefills=leader is None)
+            if share:
+                self.prompts.add(seq)
+        self.heads.join(seq, follows=leader is not None)
 
     def prefilled(self, seq: Sequence) -> None:
         if seq in self.prefilling:
@@ -67,7 +71,8 @@ class Queue:
         """Take a sequence out of prefill or decode (its row is freed by `release`)."""
         if seq in self.prefilling:
             self.prefilling.remove(seq)
-        self.prompts.remove(seq)
+        self.prompts.prefilled(seq)
+        self.heads.leave(seq)
         if self.running[seq.row] is seq:
             self.running[seq.row] = None
             batch.clear(seq.row)

@@ -141,6 +141,7 @@ class Completion:
     error: str | None = None
     logprobs: Logprobs | None = None         # one per generated token (sampling.logprobs)
     prompt_logprobs: Logprobs | None = None  # one per prompt token, None at the first
+    cached_tokens: int = 0         # prompt tokens taken from a shared head or a sample's forked prefill
 
 
 class Engine(Protocol):

@@ -91,7 +91,8 @@ class Round:
         def meta(name: str, kv_lens: torch.Tensor, **extra) -> AttnMeta:
             return AttnMeta(positions=positions, slots=slots, q_index=b.q_index[:n],
                             q_positions=positions.view(n, B), kv_lens=kv_lens, block_tables=b.tables[:n],
-                            page_size=self.page_size, max_kv=max_kv, dense=True, rows_own_slots=True, name=name,
+                            page_size=self.page_size, max_kv=max_kv, dense=True, rows_own_slots=b.rows_own_slots,
+                            name=name,
                             backend=self.attention, rows=b.row_ids[:n], ring=b.ring, **extra)
 
         if self.drafter is not None and W > 1:
@@ -105,7 +106,8 @@ class Round:
         q_index = torch.arange(n * W, device=ids.device).view(n, W)
         verify = AttnMeta(positions=positions, slots=slots.view(n, B)[:, :W].reshape(-1), q_index=q_index,
                           q_positions=positions.view(n, W), kv_lens=verify_kv - (B - W), block_tables=b.tables[:n],
-                          page_size=self.page_size, max_kv=max_kv, dense=True, rows_own_slots=True, name="verify",
+                          page_size=self.page_size, max_kv=max_kv, dense=True, rows_own_slots=b.rows_own_slots,
+                          name="verify",
                           backend=self.attention, rows=b.row_ids[:n], ring=b.ring, logits_rows=q_index.reshape(-1),
                           state_ids=b.state_slot[:n], stage=self.recurrent)
         return positions, verify

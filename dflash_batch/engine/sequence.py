@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import time
 
+from typing import TYPE_CHECKING
+
 from dflash_batch.engine.request import Completion, Logprobs, Request, SpecCounters
+
+if TYPE_CHECKING:
+    from dflash_batch.engine.heads import LiveHead
 
 
 class Sequence:
@@ -15,6 +20,8 @@ class Sequence:
         self.prompt = request.prompt_ids
         self.pages = pages
         self.prefilled = 0                 # prompt tokens whose target K/V is written
+        self.cached = 0                    # of those, taken from a shared head or a forked prefill
+        self.head: LiveHead | None = None  # the shared head whose pages it reads (engine/heads.py)
         self.tokens: list[int] = []        # generated tokens; the last one is the next anchor
         self.spec = SpecCounters(block_size) if block_size > 1 else None
         self.matcher = request.grammar() if request.grammar is not None else None  # structured output
@@ -84,7 +91,7 @@ class Sequence:
         return Completion(key=self.request.key, token_ids=self.tokens, text=self.text,
                           finish_reason=self.finish_reason, stop_reason=self.stop_reason, spec=self.spec,
                           ttft_s=(self.t_first or now) - self.t_admit, latency_s=now - self.t_admit,
-                          error_type=self.error_type, error=self.error,
+                          error_type=self.error_type, error=self.error, cached_tokens=self.cached,
                           # a stop string may have cut tokens the round had scored
                           logprobs=self.logprobs.cut(len(self.tokens)) if ok and self.logprobs else None,
                           prompt_logprobs=self.prompt_logprobs if ok else None)

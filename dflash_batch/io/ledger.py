@@ -214,9 +214,18 @@ def keys_to_skip(out_dir: Path, index: int, job: Job) -> DoneSet | Skipped:
     return done if job.retry is None else Skipped(done, _key_hashes([Path(job.retry.samples)]))
 
 
-STAT_COLUMNS = ["bucket", "status", "completion_tokens", "spec_rounds", "spec_accepted", "spec_drafts_verified",
-                "spec_histogram", "spec_block_size"]
+STAT_COLUMNS = ["bucket", "status", "prompt_tokens", "cached_tokens", "completion_tokens", "spec_rounds",
+                "spec_accepted", "spec_drafts_verified", "spec_histogram", "spec_block_size"]
 VERIFIED = ("spec_drafts_verified", "spec_verified_histogram")  # output schema v2
+ADDED = {"cached_tokens": pa.int32()}  # output schema v3: null in older parts (nothing recorded)
+
+
+def _with_added(t: pa.Table, columns: list[str]) -> pa.Table:
+    """`t` with null columns for those of ADDED that a part written before them lacks."""
+    missing = [c for c in columns if c in ADDED and c not in t.column_names]
+    for c in missing:
+        t = t.append_column(c, pa.nulls(len(t), ADDED[c]))
+    return t.select(columns) if missing else t
 
 
 def read_part(path: Path, columns: list[str]) -> tuple[pa.Table, bool]:
@@ -224,10 +233,13 @@ def read_part(path: Path, columns: list[str]) -> tuple[pa.Table, bool]:
     such a part's VERIFIED columns are made as if every round verified the whole block, the
     assumption the figures written with it made."""
     names = set(pq.read_schema(path).names)
+    present = [c for c in columns if c in names or c not in ADDED]
     if all(c in names for c in columns if c in VERIFIED):
-        return pq.read_table(path, columns=columns), False
+        return _with_added(pq.read_table(path, columns=present), columns), False
     t = pq.read_table(path, columns=list(dict.fromkeys(
-        [c for c in columns if c not in VERIFIED] + ["spec_block_size", "spec_rounds"])))
+        [c for c in present if c not in VERIFIED] + ["spec_block_size", "spec_rounds"])))
+    t = _with_added(t, [c for c in dict.fromkeys(columns + ["spec_block_size", "spec_rounds"])
+                              if c not in VERIFIED])
     drafts = pc.subtract(pc.cast(t["spec_block_size"], pa.int64()), 1)
     rounds = pc.cast(t["spec_rounds"], pa.int64()).fill_null(0)
     made = {"spec_drafts_verified": pc.multiply(drafts, rounds).cast(pa.int32())}
@@ -242,15 +254,21 @@ def read_part(path: Path, columns: list[str]) -> tuple[pa.Table, bool]:
 
 
 def count_committed(out_dir: Path) -> tuple[Counter, Counter, dict[str, tuple[int, str]]]:
-    """Committed rows per (shard, status) and per (bucket, status), and error rows per error_type
-    (their count and a row id), counted part by part with Arrow: memory does not grow with the
+    """Committed rows per (shard, status) and per (bucket, status) (with, under (bucket,
+    "prompt_tokens") and (bucket, "cached_tokens"), those sums over its ok rows), and error rows
+    per error_type (their count and a row id), counted part by part with Arrow: memory does not grow with the
     number of rows."""
     by_shard, by_bucket, by_error = Counter(), Counter(), {}
     for f in part_files(out_dir):
-        t = pq.read_table(f, columns=["shard_index", "bucket", "status", "error_type", "row_id"])
+        t, _ = read_part(f, ["shard_index", "bucket", "status", "error_type", "row_id", "prompt_tokens",
+                             "cached_tokens"])
         for keys, into in ((["shard_index", "status"], by_shard), (["bucket", "status"], by_bucket)):
             for row in t.group_by(keys).aggregate([("status", "count")]).to_pylist():
                 into[(row[keys[0]], row["status"])] += row["status_count"]
+        ok = t.filter(pc.equal(t["status"], "ok"))
+        for row in ok.group_by("bucket").aggregate([("prompt_tokens", "sum"), ("cached_tokens", "sum")]).to_pylist():
+            for column in ("prompt_tokens", "cached_tokens"):  # (bucket, column): summed over ok rows
+                by_bucket[(row["bucket"], column)] += row[f"{column}_sum"] or 0
         errors = t.filter(pc.equal(t["status"], "error"))
         for row in errors.group_by("error_type").aggregate([("row_id", "count"), ("row_id", "min")]).to_pylist():
             count, example = by_error.get(row["error_type"], (0, row["row_id_min"]))
@@ -283,6 +301,8 @@ def _bucket_totals(t: pa.Table) -> dict[str, dict]:
     n = len(names)
     ok = pc.cast(pc.equal(t["status"], "ok"), pa.int64())
     sums = {"rows": np.bincount(code, minlength=n).tolist(), "ok": _per_bucket(code, n, ok),
+            "prompt_tokens": _per_bucket(code, n, pc.multiply(ok, pc.cast(t["prompt_tokens"], pa.int64()))),
+            "cached_tokens": _per_bucket(code, n, t["cached_tokens"]),
             "completion_tokens": _per_bucket(code, n, t["completion_tokens"]),
             "spec_rounds": _per_bucket(code, n, t["spec_rounds"]),
             "spec_accepted": _per_bucket(code, n, t["spec_accepted"]),
@@ -317,6 +337,7 @@ def _with_ratios(totals: dict[str, dict]) -> dict[str, dict]:
         b["acc_len"] = 1 + b["spec_accepted"] / b["spec_rounds"] if b["spec_rounds"] else None
         b["proposal_acceptance"] = b["spec_accepted"] / b["spec_drafts_verified"] if b["spec_drafts_verified"] else None
         b["speculation"] = speculation(b["speculated"], b["ok"])
+        b["cached_share"] = b["cached_tokens"] / b["prompt_tokens"] if b["prompt_tokens"] else None
     return totals
 
 

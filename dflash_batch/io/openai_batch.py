@@ -164,7 +164,8 @@ def response_line(samples: list[dict], default_url: str, default_model: str, cre
                 "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": first.get("model") or default_model, "choices": choices,
                 "usage": {"prompt_tokens": first["prompt_tokens"], "completion_tokens": completion,
-                          "total_tokens": first["prompt_tokens"] + completion},
+                          "total_tokens": first["prompt_tokens"] + completion,
+                          "prompt_tokens_details": {"cached_tokens": first["cached_tokens"]}},
                 "system_fingerprint": first["config_hash"]}
         status = 200
     line = {"id": f"batch_req_{request}", "custom_id": custom_id,

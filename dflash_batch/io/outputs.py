@@ -22,7 +22,8 @@ from dflash_batch import __version__
 from dflash_batch.job import Job, JobError
 
 # 2: spec_drafts_verified and spec_verified_histogram (v1 rows assumed every round verified the block)
-SCHEMA_VERSION = 2
+# 3: cached_tokens
+SCHEMA_VERSION = 3
 
 # (name, arrow type, nullable, description). Passthrough columns follow sample_index.
 COLUMNS: list[tuple[str, pa.DataType, bool, str]] = [
@@ -33,6 +34,8 @@ COLUMNS: list[tuple[str, pa.DataType, bool, str]] = [
     ("finish_reason", pa.string(), False, "stop | length | error"),
     ("stop_reason", pa.string(), True, "the stop string, or the stop token id, that ended the sample"),
     ("prompt_tokens", pa.int32(), True, "prompt length in tokens (after truncation)"),
+    ("cached_tokens", pa.int32(), True, "of prompt_tokens, those taken from a head other rows share or from "
+     "another sample's prefill of the prompt, not computed for this sample (OpenAI's usage cached_tokens)"),
     ("completion_tokens", pa.int32(), True, "generated tokens, stop token included"),
     ("prompt_truncated", pa.bool_(), False, "the overflow policy truncated the prompt"),
     ("status", pa.string(), False, "ok | error"),
