@@ -261,6 +261,7 @@ def build_engine(job: Job, tokenizer: Tokenizer, setup: EngineSetup | None = Non
                   max_num_batched_tokens=job.engine.max_num_batched_tokens, dtype=dtype, device=setup.device,
                   attention=_attention(setup), capture_sizes=setup.capture_sizes, cuda_graphs=setup.cuda_graphs,
                   compile=setup.compile, compile_if_it_pays=setup.compile_if_it_pays,
-                  share_prompts=job.engine.share_prompts, log=say,
+                  share_prompts=job.engine.share_prompts,
+                  shared_head_tokens=job.engine.shared_head_tokens, log=say,
                   auto_speculation=(auto.min_acc_len, auto.rounds))
 

@@ -142,9 +142,12 @@ class EngineSpec(_Strict):
     max_num_seqs: int = Field(64, ge=1, description="Sequences decoded together (default for buckets).")
     max_num_batched_tokens: int = Field(8192, ge=16, description="Tokens per forward (chunked prefill "
                                         "budget).")
-    share_prompts: bool = Field(True, description="Samples with the same prompt admitted together (a row's n) "
-                                "prefill it once: the others copy its caches and state and draw their own "
-                                "first token from its logits.")
+    share_prompts: bool = Field(True, description="Rows whose prompts begin alike (64 tokens or more) prefill "
+                                "that head once, and samples of one prompt admitted together prefill it once "
+                                "(docs: Job file, engine.share_prompts).")
+    shared_head_tokens: int = Field(8192, ge=0, description="The longest prompt head rows share (a longer "
+                                    "one is shared this far); the memory plan counts two heads of it per "
+                                    "bucket, once. Below 64: no shared heads (samples of a prompt still fork).")
     backend: Literal["auto", "torch", "flashinfer"] = Field(
         "auto", description="Attention backend. auto: flashinfer on a CUDA host that has it, for GQA "
         "models; else torch (torch: the CPU reference path, even on a CUDA host).")
@@ -404,7 +407,8 @@ class Job(_Strict):
 # Settings that decide how fast outputs are made, never what they are (allow_empty only lets an
 # empty file through: it adds no row).
 TUNING: dict[str, set[str]] = {
-    "engine": {"max_num_seqs", "max_num_batched_tokens", "share_prompts", "backend", "context_parallel",
+    "engine": {"max_num_seqs", "max_num_batched_tokens", "share_prompts", "shared_head_tokens", "backend",
+               "context_parallel",
                "cuda_graphs", "compile",
                "cudagraph_capture_sizes", "cache_dir"},
     "input": {"workers", "allow_empty"},

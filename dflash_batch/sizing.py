@@ -28,7 +28,8 @@ from dflash_batch.backends.latent_split import LatentSplit
 from dflash_batch.build import DTYPES, EngineSetup, resolve_engine, why_no_latent_split
 from dflash_batch.engine import choice
 from dflash_batch.engine.batch import DecodeBatch
-from dflash_batch.engine.engine import Engine, named_runtime_tensors
+from dflash_batch.engine.engine import Engine, named_runtime_tensors, runtime_tensors
+from dflash_batch.engine.heads import LIVE_HEADS
 from dflash_batch.engine.pair import attach_drafter
 from dflash_batch.grammar import asks_for_grammar
 from dflash_batch.job import Job, JobError, gpu_bytes
@@ -205,7 +206,8 @@ class _Sizer:
         self.engine = Engine(self.target, self.drafter, page_size=job.engine.page_size,
                              max_num_batched_tokens=job.engine.max_num_batched_tokens, dtype=dtype, device="meta",
                              attention=_Planned(self.setup.backend, self.split),
-                             capture_sizes=self.setup.capture_sizes)
+                             capture_sizes=self.setup.capture_sizes, share_prompts=job.engine.share_prompts,
+                             shared_head_tokens=job.engine.shared_head_tokens)
         with parallel.planned(tp):
             torch_kernels = self.setup.kernels == "torch"
             self.widths = {m: activations.widths(m, self.dtype_bytes, torch_kernels)
@@ -231,10 +233,12 @@ class _Sizer:
 
     def need(self, bucket: Bucket) -> BucketNeed:
         with parallel.planned(self.tp):
-            batch = self.engine.allocate(bucket)
+            batch = self.engine.allocate(bucket)  # its caches hold the shared heads' pool (engine/heads.py)
             self._grow(batch)
             block, keys = batch.block, bucket.max_tokens + batch.block
             parts = cache_parts({"target": self.target, "drafter": self.drafter})
+            if batch.head_pages:
+                parts["kept head states"] = self._kept_heads(batch)
             caches = sum(parts.values())
             state = _bytes(batch) + self._grammar(batch)
             round_ = self._round(batch.rows, block, keys)
@@ -246,6 +250,18 @@ class _Sizer:
                 round_ += self._round(batch.rows, 1, keys) if self.setup.cuda_graphs else 0
             return BucketNeed(bucket, caches, state, self._prefill(bucket, block), round_, self.setup.cuda_graphs,
                               parts, block)
+
+    def _kept_heads(self, batch: DecodeBatch) -> int:
+        """What the live shared heads keep beside their pages: a sequence's recurrent state and
+        the drafter's ring of one row, for each (engine/heads.py)."""
+        state = sum(t.nbytes // t.shape[0] for t in self.target.state_pools()) \
+            if hasattr(self.target, "save_state") else 0
+        rings = 0
+        if batch.ring is not None:
+            slots = batch.ring.slots(batch.scratch_state, self.engine.page_size) // self.split
+            span = batch.ring.pages * self.engine.page_size // self.split
+            rings = sum(t.nbytes // t.shape[0] * span for t in runtime_tensors([self.drafter]) if t.shape[0] == slots)
+        return LIVE_HEADS * (state + rings)
 
     def _grow(self, batch: DecodeBatch) -> None:
         """What the job's rows may ask for that the batch keeps for every row (the job's sampling,

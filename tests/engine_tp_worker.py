@@ -31,13 +31,13 @@ from tests.emulated_graphs import EmulatedGraphs
 
 def generate(target_dir: str, drafter_dir: str, prompts: list[list[int]], sampling: dict,
              graphs: bool = False, device: str = "cpu", speculation: bool | str = True,
-             latent_split: bool = False, backend: str = "torch") -> list[dict]:
+             latent_split: bool = False, backend: str = "torch", share_prompts: bool = True) -> list[dict]:
     """Speculative decoding of every prompt (seed 1000 + index): tokens, accepted drafts per round and
     logprobs. `latent_split`: the ranks split the MLA latent caches by token (backends/latent_split.py).
     `backend` flashinfer: on the CPU, its MLA wrapper emulated (tests/fake_flashinfer.py).
     The target taps the drafter's layers on the drafter's aux_hidden_stream, as build_engine does.
     `graphs`: rounds go through the engine's graph path, captured and replayed as CUDA graphs on a
-    GPU, emulated on the CPU."""
+    GPU, emulated on the CPU. `share_prompts`: the engine's (shared heads, forked samples)."""
     # float64: the ranks sum partial products in another order than one process; in float32
     # that could round a near-tie apart.
     target, drafter = load_model(target_dir, torch.float64, device), load_model(drafter_dir, torch.float64, device)
@@ -55,13 +55,15 @@ def generate(target_dir: str, drafter_dir: str, prompts: list[list[int]], sampli
         attention = FlashInferAttention(device, split=split)
     else:
         attention = TorchAttention(split) if split else TORCH
-    engine = Engine(target, drafter, dtype=torch.float64, device=device, attention=attention, **graph_args)
+    engine = Engine(target, drafter, dtype=torch.float64, device=device, attention=attention,
+                    share_prompts=share_prompts, **graph_args)
     done = {c.key: c for c in engine.generate(reqs, bucket)}
     # flashinfer: whether rounds ran on wrappers planned as a captured graph's (fixed rows)
     captured = backend == "flashinfer" and any(key[1] is not None for key in attention.wrappers)
     return [dict(tokens=done[r.key].token_ids, per_round=done[r.key].spec.per_round,
                  top_ids=done[r.key].logprobs and done[r.key].logprobs.top_ids,
-                 logprobs=logprob_values(done[r.key].logprobs), captured=captured) for r in reqs]
+                 logprobs=logprob_values(done[r.key].logprobs), captured=captured,
+                 cached=done[r.key].cached_tokens) for r in reqs]
 
 
 def logprob_values(logprobs) -> list[list[float]]:
@@ -101,16 +103,19 @@ def run(rank: int, world_size: int, port: int, target_dir: str, drafter_dir: str
 def assert_tp2_equals_tp1(target_dir: str, drafter_dir: str, prompts: list[list[int]], runs: dict[str, dict],
                           out_dir: str, port: int, graphs: bool = False, device: str = "cpu",
                           group_rows: int | None = None, ranks: int = 2, latent_split: bool = False,
-                          backend: str = "torch", logprob_atol: float = 1e-9) -> None:
-    """Decode in this process on the torch backend, then on `ranks` ranks (gloo on the CPU, NCCL on
-    GPUs; `graphs`: through the graph path; `group_rows`: the ranks gather and sample that many
-    verify rows at a time; `latent_split`: they split the MLA latents by token; on `backend`):
-    every rank must give the same tokens and accepted drafts per round, for every sampling
-    setting in `runs`, and logprobs within `logprob_atol`."""
+                          backend: str = "torch", logprob_atol: float = 1e-9, cached: list[int] | None = None
+                          ) -> None:
+    """Decode in this process on the torch backend, each prompt prefilled by itself (no shared
+    heads), then on `ranks` ranks (gloo on the CPU, NCCL on GPUs; `graphs`: through the graph
+    path; `group_rows`: the ranks gather and sample that many verify rows at a time;
+    `latent_split`: they split the MLA latents by token; on `backend`; prompts that share a head
+    share it): every rank must give the same tokens and accepted drafts per round, for every
+    sampling setting in `runs`, and logprobs within `logprob_atol`; `cached`: the prompt tokens
+    each prompt took from a shared head on the ranks."""
     import torch.multiprocessing as mp
 
     args = (target_dir, drafter_dir, prompts, runs)
-    expected = {name: generate(*args[:3], s, device=device) for name, s in runs.items()}
+    expected = {name: generate(*args[:3], s, device=device, share_prompts=False) for name, s in runs.items()}
     assert any(n for r in expected["greedy"] for n in r["per_round"]), "no draft accepted"
     vocab = json.loads((Path(drafter_dir) / "config.json").read_text())["vocab_size"]  # the pair's
     assert_every_slice_decoded([t for r in expected["greedy"] for t in r["tokens"]], vocab, ranks)
@@ -126,6 +131,7 @@ def assert_tp2_equals_tp1(target_dir: str, drafter_dir: str, prompts: list[list[
                 assert len(g["logprobs"]) == len(want["logprobs"])
                 for a, b in zip(g["logprobs"], want["logprobs"]):
                     torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=logprob_atol)
+            assert cached is None or [g["cached"] for g in got[name]] == cached, f"rank {rank}, {name}"
 
 
 def assert_auto_ranks_agree(target_dir: str, drafter_dir: str, prompts: list[list[int]], out_dir: str,

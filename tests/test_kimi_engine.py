@@ -166,13 +166,19 @@ def test_tp2_latent_split_on_flashinfer_equals_tp1(tmp_path):
     # fixed buffers), prefill chunks eagerly (chains of queries two apart): against one process on
     # the torch backend. A window of 10 (flashinfer's latent path wants one no shorter than the
     # block); the drafter's rings wrap. The wrapper's log-sum-exps are float32: logprobs to 1e-6.
+    # The last two prompts share a 70-token head (plan/heads.py): the ranks keep it (its KDA
+    # states, each rank's share of its latents and partial page, the rings) and the second
+    # starts there; one process prefills both whole.
     target, drafter = make_kimi_pair(tmp_path / "pair", stream="attn_res", moe_intermediate_size=64, slices=2,
                                      window=10)
-    prompts = random_prompts([1, 37, 20], vocab=VOCAB, seed=6)
+    head = random_prompts([70], vocab=VOCAB, seed=7)[0]
+    prompts = random_prompts([1, 37, 20], vocab=VOCAB, seed=6) + [head + t for t in random_prompts(
+        [5, 12], vocab=VOCAB, seed=8)]
     runs = {"greedy": dict(max_new_tokens=24),
             "logprobs": dict(max_new_tokens=12, temperature=0.8, top_k=5, logprobs=2)}
     engine_tp_worker.assert_tp2_equals_tp1(str(target), str(drafter), prompts, runs, str(tmp_path), free_port(),
-                                           graphs=True, latent_split=True, backend="flashinfer", logprob_atol=1e-6)
+                                           graphs=True, latent_split=True, backend="flashinfer", logprob_atol=1e-6,
+                                           cached=[0, 0, 0, 0, 70])
 
 
 @pytest.mark.slow

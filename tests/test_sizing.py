@@ -150,7 +150,8 @@ def test_caches_and_state_are_the_bytes_the_engine_allocates(jobs, family, tp, f
         # A row asking for logprobs and penalties makes the batch grow (DecodeBatch.put); the plan grows it ahead.
         _, allocated, peak = allocator(lambda: engine.allocate(need.bucket).allocate_for(False, features, features))
         held += allocated
-        assert held == need.caches + need.batch, need.bucket.name
+        # (the shared heads' kept states are allocated as heads are kept: test_kept_heads_...)
+        assert held == need.caches + need.batch - need.parts.get("kept head states", 0), need.bucket.name
         if previous:  # the old bucket's caches go as the new one's come, not after
             assert held - allocated + peak < previous + need.caches + need.batch, need.bucket.name
         previous = held
@@ -287,7 +288,7 @@ def test_an_auto_bucket_holds_the_one_row_batch_it_switches_to(jobs, family, tmp
                for t in (layer.self_attn.staged_raw, layer.self_attn.staged_g, layer.self_attn.staged_beta)]
     assert {t.shape[1] for t in staging} <= {1}  # one row a sequence now
     shrunk = (drafter.block_size - 1) * sum(t.nbytes for t in staging)
-    assert held == need.caches + need.batch - shrunk
+    assert held == need.caches + need.batch - shrunk - need.parts.get("kept head states", 0)
 
 
 @pytest.mark.slow
@@ -447,7 +448,8 @@ def test_the_plan_shows_each_buckets_caches_by_component():
     """The H200 job at TP16 (the caches' total is checked against the allocator above): each
     bucket's caches by component, the target's MLA latent the spec's 27.6 KB a token slot (its 24
     full-attention layers x (512 + 64) bf16, every rank holding every sequence's) over at least
-    max_num_seqs x max_tokens slots, and the table prints the components."""
+    max_num_seqs x max_tokens slots and the shared heads' pool (two heads of
+    engine.shared_head_tokens), and the table prints the components."""
     job = load_job(JOBS / "kimi-k3-dflash2-h200.yaml")
     config = json.loads((JOBS / "models/moonshotai/Kimi-K3/config.json").read_text())["text_config"]
     per_slot = len(config["linear_attn_config"]["full_attn_layers"]) * (
@@ -456,11 +458,11 @@ def test_the_plan_shows_each_buckets_caches_by_component():
     plan = plan_job(job, JOBS, 141 * GB, tp=16)
     for need in plan.buckets:
         assert set(need.parts) == {"target MLA latent", "target KDA state", "target KDA verify staging",
-                                   "drafter latent and rings"}
+                                   "drafter latent and rings", "kept head states"}
         slots, rest = divmod(need.parts["target MLA latent"], per_slot)
-        b = need.bucket
-        assert rest == 0 and b.max_num_seqs * b.max_tokens <= slots <= (b.max_num_seqs + 1) * (b.max_tokens + 64)
-    assert "    caches: target MLA latent 39.26, target KDA state 5.05," in plan.table()
+        b, pool = need.bucket, 2 * job.engine.shared_head_tokens
+        assert rest == 0 and b.max_num_seqs * b.max_tokens + pool <= slots <= (b.max_num_seqs + 1) * (b.max_tokens + 64) + pool
+    assert "    caches: target MLA latent 39.26, target KDA state 4.99," in plan.table()
 
 
 def test_the_split_caches_are_the_bytes_a_split_engine_allocates(jobs, tmp_path, monkeypatch):
@@ -483,7 +485,7 @@ def test_the_split_caches_are_the_bytes_a_split_engine_allocates(jobs, tmp_path,
         assert split.parts["target KDA state"] == whole.parts["target KDA state"]
         _, allocated, _ = allocator(lambda: engine.allocate(split.bucket))
         held += allocated  # less the previous bucket's, freed
-        assert held == split.caches + split.batch, split.bucket.name
+        assert held == split.caches + split.batch - split.parts.get("kept head states", 0), split.bucket.name
         assert largest >= plan.largest[plan.buckets.index(whole)]
 
 

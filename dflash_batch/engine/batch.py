@@ -20,22 +20,23 @@ from dflash_batch.limits import MAX_LOGIT_BIAS, MAX_LOGPROBS
 class DecodeBatch:
     def __init__(self, rows: int, block: int, max_pages: int, page_size: int, sequences: int,
                  device: torch.device | str, vocab_size: int, like: DecodeBatch | None = None,
-                 ring: Ring | None = None, head_pages: int = 0):
+                 ring: Ring | None = None, head_pages: int = 0, static: bool = False):
         """`rows` (>= `sequences`, padded up to a capture size); the first `sequences` state slots
         and `sequences * max_pages` pages belong to the rows that can run one; the next slot and
         page are scratch for padding rows (the engine allocates them). `like`: the previous
         bucket's batch; what its requests made it grow (stop ids, bias, counts, logprobs) is
         allocated now, so this batch's graphs cover it. `ring`: the geometry of the drafter's ring
         caches, if it keeps any. `head_pages`: the pool of shared heads' pages past the scratch
-        page (engine/heads.py); rows then no longer own every slot they read."""
+        page (engine/heads.py): a row that reads a head's pages no longer owns every slot it
+        reads (`static`: rounds are captured, so take it that none does while there is a pool)."""
         def full(shape, value, dtype=torch.int64):
             return torch.full(shape, value, dtype=dtype, device=device)
 
         self.rows, self.block, self.page_size, self.device, self.ring = rows, block, page_size, device, ring
         self.scratch_state, self.scratch_page = sequences, sequences * max_pages
-        self.head_pages = head_pages
+        self.head_pages, self.static = head_pages, static
         self.num_slots = (self.scratch_page + 1 + head_pages) * page_size  # the rows' pages, scratch, heads
-        self.rows_own_slots = not head_pages  # AttnMeta.rows_own_slots of its rounds
+        self.shared_rows: set[int] = set()  # rows whose sequence reads a shared head's pages
         # What backends that plan on the host read: each row's pages.
         self.host_tables: list[list[int]] = [[] for _ in range(rows)]
         self.ids = full((rows, block), 0)             # [anchor, d_1..d_{B-1}] of the next verify
@@ -108,6 +109,10 @@ class DecodeBatch:
         self.tables[row] = -1
         self.tables[row, :len(seq.pages)] = torch.tensor(seq.pages, device=self.device)
         self.host_tables[row] = list(seq.pages)
+        if seq.head is not None:
+            self.shared_rows.add(row)
+        else:
+            self.shared_rows.discard(row)
         self.stop_ids[row] = -1
         if self.bias is not None:
             self.bias_ids[row], self.bias[row] = -1, 0.0
@@ -133,8 +138,14 @@ class DecodeBatch:
                 new = True
         return new
 
+    @property
+    def rows_own_slots(self) -> bool:
+        """AttnMeta.rows_own_slots of its rounds: no row reads pages past its own."""
+        return not self.head_pages or not (self.static or self.shared_rows)
+
     def clear(self, row: int) -> None:
         """Make a row padding."""
+        self.shared_rows.discard(row)
         self.tables[row] = -1
         self.host_tables[row] = []
         self.budget[row] = 0

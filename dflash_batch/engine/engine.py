@@ -24,7 +24,7 @@ from dflash_batch.engine.batch import DecodeBatch
 from dflash_batch.engine.cache import SeqRows, build_meta, row_pages, slots
 from dflash_batch.engine.compile_policy import CompileWhenItPays
 from dflash_batch.engine.graphs import RoundGraphs
-from dflash_batch.engine.heads import HeadPool, plan_heads, pool_pages
+from dflash_batch.engine.heads import HeadPool, plan_heads, pool_bound
 from dflash_batch.engine.queue import Queue
 from dflash_batch.engine.request import Completion, Logprobs, Request
 from dflash_batch.engine.round import ERROR, Round
@@ -80,11 +80,12 @@ class Engine:
                  max_num_batched_tokens: int = 8192, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", attention: AttentionBackend = TORCH,
                  capture_sizes: list[int] | None = None, cuda_graphs: bool = False, compile: bool = False,
-                 compile_if_it_pays: bool = False, share_prompts: bool = True,
+                 compile_if_it_pays: bool = False, share_prompts: bool = True, shared_head_tokens: int = 8192,
                  log: Callable[[str], None] | None = None, auto_speculation: tuple[float, int] = (1.5, 1024)):
         """`compile_if_it_pays`: with `compile`, a bucket whose requests fit few rounds runs them
-        uncompiled (compile_policy.py); `auto_speculation`: (min_acc_len, rounds) of buckets with
-        speculation "auto" (schedule.py)."""
+        uncompiled (compile_policy.py); `share_prompts`: samples fork a prompt's prefill, and rows
+        share heads of up to `shared_head_tokens` (engine/heads.py); `auto_speculation`:
+        (min_acc_len, rounds) of buckets with speculation "auto" (schedule.py)."""
         self.target, self.drafter = target, drafter
         self.vocab_size: int = target.vocab_size
         # Hybrid targets (KDA) keep per-sequence recurrent state that verify stages and commit picks.
@@ -102,6 +103,7 @@ class Engine:
         if cuda_graphs and not capture_sizes:
             raise ValueError("cuda_graphs needs capture_sizes")
         self.cuda_graphs, self.compile, self.share_prompts = cuda_graphs, compile, share_prompts
+        self.shared_head_tokens = shared_head_tokens if share_prompts else 0
         self.compile_if_it_pays = compile_if_it_pays
         self.prefill_tokens = 0  # prompt tokens the target has run (a shared prompt counts once)
         self.log = log or (lambda line: None)
@@ -118,18 +120,17 @@ class Engine:
     def generate(self, requests: Iterable[Request], bucket: Bucket) -> Iterator[Completion]:
         """Decode the bucket's requests (read at once: with share_prompts, the heads they share
         are found first, plan/heads.py, and their members admitted together)."""
-        requests, heads = plan_heads(list(requests)) if self.share_prompts else (requests, {})
+        requests, heads = plan_heads(list(requests), self.shared_head_tokens)
         block, pages_per_row, models = self._shape(bucket)
         seqs = bucket.max_num_seqs
-        head_pages = pool_pages(list(set(heads.values())), self.page_size, pages_per_row)
-        shape = (seqs, pages_per_row, block, head_pages)
+        shape = (seqs, pages_per_row, block)
         kept = self.bucket_state
         # Reused while the shape holds and the models still hold these caches (another engine
         # sharing the models may have allocated its own).
         # A batch whose stop-id tensor had to grow is replaced (its graphs read the old one).
         if (kept is None or kept[0] != shape or kept[2].reshaped
                 or any(a is not b for a, b in zip(runtime_tensors(models), kept[1]))):
-            self.allocate(bucket, head_pages)
+            self.allocate(bucket)
         # Not the state's list of runtime tensors: those an auto bucket replaces (its verify staging,
         # by one-row staging) must go when the state does.
         del kept
@@ -148,7 +149,8 @@ class Engine:
             t for t in runtime_tensors([self.drafter]) if t.shape[0] == self.ring.slots(seqs, self.page_size) // split]
         batch.clear_all()  # a previous generate that was closed early may have left rows
         schedule = self._schedule(bucket, block, batch, step, graphs) if block > 1 else None
-        q = Queue(requests, seqs, self.budget, HeadPool(heads, seqs * pages_per_row + 1, head_pages, self.page_size))
+        pool = HeadPool(heads, seqs * pages_per_row + 1, batch.head_pages, self.page_size)
+        q = Queue(requests, seqs, self.budget, pool)
         # inference_mode dispatches small ops faster; torch.compile wants plain no_grad tensors.
         with torch.no_grad() if self.compile else torch.inference_mode():
             while True:
@@ -251,10 +253,10 @@ class Engine:
         return []
 
     # -- steps ---------------------------------------------------------------------------------
-    def allocate(self, bucket: Bucket, head_pages: int = 0) -> DecodeBatch:
-        """A bucket's caches, state and decoding state (on the meta device: what they would take,
-        sizing.py), with a pool of `head_pages` for shared heads (engine/heads.py), kept for
-        generate while the next bucket has the same shape."""
+    def allocate(self, bucket: Bucket) -> DecodeBatch:
+        """A bucket's caches (with the pool of shared heads' pages, engine/heads.py), state and
+        decoding state (on the meta device: what they would take, sizing.py), kept for generate
+        while the next bucket has the same shape."""
         block, pages_per_row, models = self._shape(bucket)
         previous = self.bucket_state[2] if self.bucket_state is not None else None
         # The last bucket's graphs and the caches it held go before this one's come (the models
@@ -262,9 +264,9 @@ class Engine:
         self.bucket_state = None
         if block == 1 and self.drafter is not None:
             release_caches(self.drafter)  # a bucket without the drafter does not hold its caches
-        batch, step, graphs = self._allocate(bucket, block, pages_per_row, models, previous, head_pages)
-        self.bucket_state = ((bucket.max_num_seqs, pages_per_row, block, head_pages), runtime_tensors(models), batch,
-                             step, graphs)
+        batch, step, graphs = self._allocate(bucket, block, pages_per_row, models, previous,
+                                             pool_bound(self.shared_head_tokens, self.page_size, pages_per_row))
+        self.bucket_state = ((bucket.max_num_seqs, pages_per_row, block), runtime_tensors(models), batch, step, graphs)
         return batch
 
     def _shape(self, bucket: Bucket) -> tuple[int, int, list[torch.nn.Module]]:
@@ -298,7 +300,7 @@ class Engine:
             self.target.allocate_state(seqs + 1, rows, block, self.device)
         # What the last bucket's requests made its batch grow is allocated at once: no second regrowth.
         batch = DecodeBatch(rows, block, pages_per_row, self.page_size, seqs, self.device, self.vocab_size, previous,
-                            ring, head_pages)
+                            ring, head_pages, static=self.cuda_graphs)
         rings = f" (the drafter's sliding layers: rings of {ring.pages * self.page_size} slots)" if ring else ""
         self.log(f"bucket {bucket.name}: {seqs} rows of {pages_per_row * self.page_size} slots, block {block}, "
                  f"KV caches {cache_bytes / 2**20:.1f} MiB{rings}")
@@ -378,7 +380,7 @@ class Engine:
         running = [seq for seq in q.running if seq is not None]
         try:
             one = DecodeBatch(batch.rows, 1, pages_per_row, self.page_size, bucket.max_num_seqs, self.device,
-                              self.vocab_size, batch, head_pages=batch.head_pages)
+                              self.vocab_size, batch, head_pages=batch.head_pages, static=self.cuda_graphs)
             if 1 not in self.rounds:
                 self.rounds[1] = Round(self.target, None, 1, self.page_size, self.ops, self.attention, self.compile)
             if not self.rounds[1].compiled:  # as the bucket's rounds ran
@@ -404,7 +406,7 @@ class Engine:
                 seq.spec = None
         self.schedules[bucket.name].off = True
         self.log(f"bucket {bucket.name}: speculation off (auto): {why}; target-only from here")
-        shape = (bucket.max_num_seqs, pages_per_row, 1, batch.head_pages)
+        shape = (bucket.max_num_seqs, pages_per_row, 1)
         self.bucket_state = (shape, runtime_tensors([self.target]), one, self.rounds[1], graphs)
         self.ring, self.ring_caches = None, []
         return one, self.rounds[1], graphs

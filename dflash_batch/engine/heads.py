@@ -19,6 +19,7 @@ when, besides, no sequence reads them. A member that finds no room in the pool, 
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,28 +29,32 @@ import torch
 from dflash_batch.engine.cache import slots
 from dflash_batch.engine.request import Logprobs, Request, RequestKey
 from dflash_batch.engine.sequence import Sequence
-from dflash_batch.plan.heads import SharedHead, shared_heads
+from dflash_batch.plan.heads import MIN_HEAD_TOKENS, SharedHead, shared_heads
 
 Copy = Callable[[list[int], list[int]], None]  # copy cache slots src -> dst (every slot-indexed cache)
 
 LIVE_HEADS = 2  # heads whose pages the pool holds at once: one being admitted, one still read
 
 
-def plan_heads(requests: list[Request]) -> tuple[list[Request], dict[RequestKey, SharedHead]]:
+def plan_heads(requests: list[Request], longest: int) -> tuple[list[Request], dict[RequestKey, SharedHead]]:
     """The requests in their admission order (a head's members together), and each member's
-    head. Rows that ask for prompt logprobs share a head only with rows that ask for the same
-    number at the same temperature: the head's scores are computed once."""
+    head, `longest` tokens at most (a longer one is shared that far). Rows that ask for prompt
+    logprobs share a head only with rows that ask for the same number at the same temperature:
+    the head's scores are computed once."""
+    if longest < MIN_HEAD_TOKENS:
+        return requests, {}
     kinds = [None if r.params.prompt_logprobs is None else (r.params.prompt_logprobs, r.params.temperature)
              for r in requests]
     order, heads = shared_heads([r.prompt_ids for r in requests], kinds)
+    heads = [dataclasses.replace(h, length=min(h.length, longest)) for h in heads]
     return [requests[i] for i in order], {requests[i].key: h for h in heads for i in h.members}
 
 
-def pool_pages(heads: list[SharedHead], page_size: int, pages_per_row: int) -> int:
-    """Pages of a bucket's head pool: LIVE_HEADS of its longest head (rounded up to a power of
-    two, so that windows with heads of other lengths reuse the bucket's caches)."""
-    longest = max((-(-h.length // page_size) for h in heads), default=0)
-    return LIVE_HEADS * min(1 << (longest - 1).bit_length(), pages_per_row) if longest else 0
+def pool_bound(longest: int, page_size: int, pages_per_row: int) -> int:
+    """The pages of a bucket's head pool: LIVE_HEADS heads of `longest` tokens, or of a row
+    (allocated with the bucket's caches whatever its rows share: the memory plan counts them,
+    and windows whose heads differ reuse the caches)."""
+    return LIVE_HEADS * min(-(-longest // page_size), pages_per_row) if longest >= MIN_HEAD_TOKENS else 0
 
 
 @dataclass

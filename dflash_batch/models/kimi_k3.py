@@ -390,17 +390,18 @@ class KimiK3ForConditionalGeneration(nn.Module):
                 layer.self_attn.conv_state[dst] = layer.self_attn.conv_state[src]
                 layer.self_attn.state[dst] = layer.self_attn.state[src]
 
-    def _state_pools(self) -> list[torch.Tensor]:
+    def state_pools(self) -> list[torch.Tensor]:
+        """The KDA layers' recurrent-state tensors (conv windows, delta-rule states), [slots, ...] each."""
         return [t for layer in self.model.layers if layer.is_kda for t in (layer.self_attn.conv_state,
                                                                            layer.self_attn.state)]
 
     def save_state(self, slot: int) -> list[torch.Tensor]:
         """A copy of one sequence's recurrent state (a shared head's, at its end: engine/heads.py)."""
-        return [pool[slot].clone() for pool in self._state_pools()]
+        return [pool[slot].clone() for pool in self.state_pools()]
 
     def restore_state(self, saved: list[torch.Tensor], slot: int) -> None:
         """Start sequence slot `slot` from a state save_state copied."""
-        for pool, value in zip(self._state_pools(), saved, strict=True):
+        for pool, value in zip(self.state_pools(), saved, strict=True):
             pool[slot] = value
 
     def commit(self, state_ids: torch.Tensor, kept: torch.Tensor) -> None:
