@@ -159,6 +159,33 @@ def test_caches_and_state_are_the_bytes_the_engine_allocates(jobs, family, tp, f
     assert plan.buckets[0].caches != plan.buckets[1].caches  # more sequences, longer rows: not a constant
 
 
+def test_kept_heads_are_the_bytes_the_heads_keep(jobs, tmp_path, monkeypatch):
+    """The plan's "kept head states" are what two heads keep at their ends: the Kimi-K3's KDA
+    states (conv windows and delta-rule states of a sequence) and the drafter's ring of a row,
+    as the engine keeps them (engine/heads.py), read off the heads it keeps; Qwen3 keeps none."""
+    from dflash_batch.engine.heads import LIVE_HEADS, HeadPool
+
+    keep, seen = HeadPool.keep, []
+
+    def spy(self, leader, *args):
+        keep(self, leader, *args)
+        kept = self.live[0].kept
+        seen.append(sum(t.nbytes for t in [*(kept.state or []), *kept.rings]))
+
+    monkeypatch.setattr(HeadPool, "keep", spy)
+    for family, kept_something in (("kimi", True), ("qwen3", False)):
+        job = jobs[family]
+        need = plan_job(job, tmp_path, 80 * GB, setup=CPU).buckets[0]
+        target, drafter = load_pair(Path(job.model.target), Path(job.model.drafter))
+        engine = cpu_engine(job, target, drafter)
+        seen.clear()
+        head = torch.randint(0, target.vocab_size, (70,), generator=torch.Generator().manual_seed(1)).tolist()
+        reqs = [Request((str(i), 0), head + [i + 1], SamplingParams(max_new_tokens=4)) for i in range(3)]
+        list(engine.generate(reqs, need.bucket))
+        assert len(seen) == 1 and (seen[0] > 0) == kept_something, family
+        assert need.parts.get("kept head states", 0) == LIVE_HEADS * seen[0], family
+
+
 def _requests(bucket, n: int, vocab: int, temperature: float) -> list[Request]:
     """n prompts that fill the bucket's rows (prompt + max_new_tokens at its edge)."""
     gen = torch.Generator().manual_seed(0)

@@ -8,6 +8,8 @@ block), and the sequence decoding in that row uses them: every sequence fits, no
 pages. Sequences still carry page tables, so attention backends take any layout; the torch
 backend reads keys in place when a forward's rows are batch rows 0..n-1 (AttnMeta.rows_own_slots).
 The drafter's sliding layers may instead keep a ring per batch row (backends/meta.py's Ring).
+Past the rows' pages and a scratch page lies a pool of pages that shared prompt heads fill once
+and their rows' page tables point at (engine/heads.py).
 """
 
 from __future__ import annotations

@@ -148,5 +148,5 @@ class Engine(Protocol):
     vocab_size: int | None  # prompts with ids outside it become error rows
 
     def generate(self, requests: Iterable[Request], bucket: Bucket) -> Iterator[Completion]:
-        """Decode requests (read lazily) with continuous batching; yield each as it finishes."""
+        """Decode requests with continuous batching; yield each as it finishes."""
         ...
