@@ -28,7 +28,7 @@ from dflash_batch.backends.latent_split import LatentSplit
 from dflash_batch.build import DTYPES, EngineSetup, resolve_engine, why_no_latent_split
 from dflash_batch.engine import choice
 from dflash_batch.engine.batch import DecodeBatch
-from dflash_batch.engine.engine import Engine, named_runtime_tensors, runtime_tensors
+from dflash_batch.engine.engine import Engine, named_runtime_tensors, ring_rows
 from dflash_batch.engine.heads import LIVE_HEADS
 from dflash_batch.engine.pair import attach_drafter
 from dflash_batch.grammar import asks_for_grammar
@@ -254,14 +254,9 @@ class _Sizer:
     def _kept_heads(self, batch: DecodeBatch) -> int:
         """What the live shared heads keep beside their pages: a sequence's recurrent state and
         the drafter's ring of one row, for each (engine/heads.py)."""
-        state = sum(t.nbytes // t.shape[0] for t in self.target.state_pools()) \
-            if hasattr(self.target, "save_state") else 0
-        rings = 0
-        if batch.ring is not None:
-            slots = batch.ring.slots(batch.scratch_state, self.engine.page_size) // self.split
-            span = batch.ring.pages * self.engine.page_size // self.split
-            rings = sum(t.nbytes // t.shape[0] * span for t in runtime_tensors([self.drafter]) if t.shape[0] == slots)
-        return LIVE_HEADS * (state + rings)
+        state = sum(t.nbytes // t.shape[0] for t in self.target.state_pools()) if self.engine.recurrent else 0
+        rings, span = ring_rows(self.drafter, batch.ring, batch.scratch_state, self.engine.page_size, self.split)
+        return LIVE_HEADS * (state + sum(t.nbytes // t.shape[0] * span for t in rings))
 
     def _grow(self, batch: DecodeBatch) -> None:
         """What the job's rows may ask for that the batch keeps for every row (the job's sampling,

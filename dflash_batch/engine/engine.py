@@ -56,6 +56,16 @@ def runtime_tensors(models: list[torch.nn.Module]) -> list[torch.Tensor]:
     return [v for _, _, v in named_runtime_tensors(models)]
 
 
+def ring_rows(drafter: torch.nn.Module, ring: Ring | None, seqs: int, page_size: int,
+              ways: int) -> tuple[list[torch.Tensor], int]:
+    """The drafter's ring caches of a bucket of `seqs` rows (this rank's share of them, under a
+    latent split `ways` ways) and the slots one batch row holds in each ([], 0: no rings)."""
+    if ring is None:
+        return [], 0
+    size = ring.slots(seqs, page_size) // ways
+    return [t for t in runtime_tensors([drafter]) if t.shape[0] == size], ring.pages * page_size // ways
+
+
 def _split(ways: int) -> dict[str, int]:
     """allocate_cache's latent_split argument where there is a split (Qwen3 takes none)."""
     return {"latent_split": ways} if ways > 1 else {}
@@ -113,6 +123,7 @@ class Engine:
         # whole caches).
         self.ring: Ring | None = None
         self.ring_caches: list[torch.Tensor] = []
+        self.ring_span = 0  # slots of a batch row in each of ring_caches
         self.auto_speculation = auto_speculation
         self.schedules: dict[str, Schedule] = {}  # by bucket name: drafts verified by batch size (schedule.py)
 
@@ -145,11 +156,11 @@ class Engine:
         split = self.latent_ways
         caches = slot_caches(models, batch, split)
         self.ring = batch.ring
-        self.ring_caches = [] if self.ring is None else [
-            t for t in runtime_tensors([self.drafter]) if t.shape[0] == self.ring.slots(seqs, self.page_size) // split]
+        self.ring_caches, self.ring_span = ring_rows(self.drafter, self.ring, seqs, self.page_size, split)
         batch.clear_all()  # a previous generate that was closed early may have left rows
         schedule = self._schedule(bucket, block, batch, step, graphs) if block > 1 else None
-        pool = HeadPool(heads, seqs * pages_per_row + 1, batch.head_pages, self.page_size)
+        pool = HeadPool(heads, seqs * pages_per_row + 1, batch.head_pages, self.page_size,
+                        self.target if self.recurrent else None)
         q = Queue(requests, seqs, self.budget, pool)
         # inference_mode dispatches small ops faster; torch.compile wants plain no_grad tensors.
         with torch.no_grad() if self.compile else torch.inference_mode():
@@ -163,8 +174,7 @@ class Engine:
                     q.start(Sequence(req, row_pages(row, pages_per_row), block, row), self.share_prompts)
                 if q.prefilling:
                     for seq in q.heads.entering(q.prefilling):
-                        q.heads.enter(seq, self._copier(caches), self.target, self.ring_caches, self._ring_span(),
-                                      self._score)
+                        q.heads.enter(seq, self._copier(caches), self.ring_caches, self.ring_span, self._score)
                     ready = [s for s in q.prefilling if not q.heads.waits(s)]
                     chunks = self._prefill_chunk(ready, q.prefill_budget, q.heads.stop)
                     involved = [seq for seq, _ in chunks]
@@ -408,7 +418,7 @@ class Engine:
         self.log(f"bucket {bucket.name}: speculation off (auto): {why}; target-only from here")
         shape = (bucket.max_num_seqs, pages_per_row, 1)
         self.bucket_state = (shape, runtime_tensors([self.target]), one, self.rounds[1], graphs)
-        self.ring, self.ring_caches = None, []
+        self.ring, self.ring_caches, self.ring_span = None, [], 0
         return one, self.rounds[1], graphs
 
     def _padded(self, n: int) -> int:
@@ -474,7 +484,7 @@ class Engine:
         for seq, here in zip(seqs, scored):
             if heads.stop(seq) == seq.prefilled:  # its last row scores the token after the head
                 edge = scores[here[-1]].clone() if seq.prompt_logprobs is not None else None
-                heads.keep(seq, self._copier(caches), self.target, self.ring_caches, self._ring_span(), edge)
+                heads.keep(seq, self._copier(caches), self.ring_caches, self.ring_span, edge)
         finishing, last = [], []  # with the logits row each one's first token comes from
         for seq, here in zip(seqs, scored):
             if seq.prefilled == len(seq.prompt):
@@ -506,17 +516,13 @@ class Engine:
         """The followers of a prefilled prompt start where it ends, with its recurrent state."""
         followers, leader.followers = leader.followers, []
         self._copy_prompt(leader, followers, len(leader.prompt), caches)
-        span = self._ring_span()
+        span = self.ring_span
         for seq in followers:
             if self.recurrent:
                 self.target.copy_state(leader.row, seq.row)
             for ring in self.ring_caches:  # the leader's ring holds its prompt's last positions
                 ring[seq.row * span:(seq.row + 1) * span] = ring[leader.row * span:(leader.row + 1) * span]
         return followers
-
-    def _ring_span(self) -> int:
-        """Slots of one batch row's ring in this rank's ring caches (0: no rings)."""
-        return self.ring.pages * self.page_size // self.latent_ways if self.ring else 0
 
     def _copier(self, caches: list[torch.Tensor]) -> Callable[[list[int], list[int]], None]:
         """copy(src, dst): cache slots src -> dst in every slot-indexed cache (under a latent split,

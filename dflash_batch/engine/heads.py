@@ -82,10 +82,13 @@ class LiveHead:
 
 
 class HeadPool:
-    """One generate call's heads over the pool pages first_page .. first_page + pages - 1."""
+    """One generate call's heads over the pool pages first_page .. first_page + pages - 1;
+    `recurrent`: the target whose recurrent state a head keeps (save_state, restore_state), if
+    it has one."""
 
-    def __init__(self, heads: dict[RequestKey, SharedHead], first_page: int, pages: int, page_size: int):
-        self.of = heads
+    def __init__(self, heads: dict[RequestKey, SharedHead], first_page: int, pages: int, page_size: int,
+                 recurrent=None):
+        self.of, self.recurrent = heads, recurrent
         self.free = list(range(first_page, first_page + pages))  # a heap: the lowest pages first
         self.page_size = page_size
         self.live: dict[int, LiveHead] = {}
@@ -130,21 +133,21 @@ class HeadPool:
         live = seq.head
         return live.length if live is not None and live.leader is seq else None
 
-    def keep(self, leader: Sequence, copy: Copy, target, rings: list[torch.Tensor], span: int,
+    def keep(self, leader: Sequence, copy: Copy, rings: list[torch.Tensor], span: int,
              edge: torch.Tensor | None) -> None:
         """The leader's prefill reached the head's end: keep its partial page (in the head's own
-        page), recurrent state (`target.save_state`, for hybrid targets), ring rows of `span`
-        slots, prompt logprobs and `edge` (the log-probs of its last position, or None)."""
+        page), recurrent state, ring rows of `span` slots, prompt logprobs and `edge` (the
+        log-probs of its last position, or None)."""
         live = leader.head
         copy(slots(leader.pages, live.partial, self.page_size), slots(live.pages, live.partial, self.page_size))
-        state = target.save_state(leader.row) if hasattr(target, "save_state") else None
+        state = self.recurrent.save_state(leader.row) if self.recurrent is not None else None
         own = slice(leader.row * span, (leader.row + 1) * span)
         logprobs = leader.prompt_logprobs.cut(live.length) if leader.prompt_logprobs is not None else None
         live.kept = Kept(state, [ring[own].clone() for ring in rings], logprobs, edge)
         live.leader = None
         self._tidy(live)
 
-    def enter(self, seq: Sequence, copy: Copy, target, rings: list[torch.Tensor], span: int,
+    def enter(self, seq: Sequence, copy: Copy, rings: list[torch.Tensor], span: int,
               score: Callable[[Logprobs, torch.Tensor, list[int], int], None]) -> None:
         """A waiting member starts at its head's end: the partial page copied into its own page,
         the kept state and ring rows restored; `score` records its first prompt token past the
@@ -153,7 +156,7 @@ class HeadPool:
         kept = live.kept
         copy(slots(live.pages, live.partial, self.page_size), slots(seq.pages, live.partial, self.page_size))
         if kept.state is not None:
-            target.restore_state(kept.state, seq.row)
+            self.recurrent.restore_state(kept.state, seq.row)
         own = slice(seq.row * span, (seq.row + 1) * span)
         for ring, saved in zip(rings, kept.rings):
             ring[own] = saved

@@ -220,37 +220,29 @@ VERIFIED = ("spec_drafts_verified", "spec_verified_histogram")  # output schema 
 ADDED = {"cached_tokens": pa.int32()}  # output schema v3: null in older parts (nothing recorded)
 
 
-def _with_added(t: pa.Table, columns: list[str]) -> pa.Table:
-    """`t` with null columns for those of ADDED that a part written before them lacks."""
-    missing = [c for c in columns if c in ADDED and c not in t.column_names]
-    for c in missing:
-        t = t.append_column(c, pa.nulls(len(t), ADDED[c]))
-    return t.select(columns) if missing else t
-
-
 def read_part(path: Path, columns: list[str]) -> tuple[pa.Table, bool]:
     """A part's columns, and whether it predates the record of drafts verified (output schema v1):
     such a part's VERIFIED columns are made as if every round verified the whole block, the
-    assumption the figures written with it made."""
+    assumption the figures written with it made; a column of ADDED that a part predates is null."""
     names = set(pq.read_schema(path).names)
-    present = [c for c in columns if c in names or c not in ADDED]
-    if all(c in names for c in columns if c in VERIFIED):
-        return _with_added(pq.read_table(path, columns=present), columns), False
-    t = pq.read_table(path, columns=list(dict.fromkeys(
-        [c for c in present if c not in VERIFIED] + ["spec_block_size", "spec_rounds"])))
-    t = _with_added(t, [c for c in dict.fromkeys(columns + ["spec_block_size", "spec_rounds"])
-                              if c not in VERIFIED])
-    drafts = pc.subtract(pc.cast(t["spec_block_size"], pa.int64()), 1)
-    rounds = pc.cast(t["spec_rounds"], pa.int64()).fill_null(0)
-    made = {"spec_drafts_verified": pc.multiply(drafts, rounds).cast(pa.int32())}
-    if "spec_verified_histogram" in columns:  # [0, .., 0, rounds]: every round verified block - 1 drafts
-        widths = pc.add(drafts, 1).fill_null(0).to_numpy()
-        offsets = np.concatenate([[0], np.cumsum(widths)]).astype(np.int32)
-        values = np.zeros(int(offsets[-1]), np.int32)
-        values[offsets[1:][widths > 0] - 1] = rounds.to_numpy()[widths > 0]
-        made["spec_verified_histogram"] = pa.ListArray.from_arrays(
-            pa.array(offsets), pa.array(values), mask=pc.is_null(t["spec_block_size"]).combine_chunks())
-    return pa.table({c: made[c] if c in made else t[c] for c in columns}), True
+    old = not all(c in names for c in columns if c in VERIFIED)
+    read = [c for c in columns if c in names or c not in (*VERIFIED, *ADDED)]
+    t = pq.read_table(path, columns=list(dict.fromkeys(read + (["spec_block_size", "spec_rounds"] if old else []))))
+    made = {c: pa.nulls(len(t), ADDED[c]) for c in columns if c in ADDED and c not in names}
+    if old:
+        drafts = pc.subtract(pc.cast(t["spec_block_size"], pa.int64()), 1)
+        rounds = pc.cast(t["spec_rounds"], pa.int64()).fill_null(0)
+        made["spec_drafts_verified"] = pc.multiply(drafts, rounds).cast(pa.int32())
+        if "spec_verified_histogram" in columns:  # [0, .., 0, rounds]: every round verified block - 1 drafts
+            widths = pc.add(drafts, 1).fill_null(0).to_numpy()
+            offsets = np.concatenate([[0], np.cumsum(widths)]).astype(np.int32)
+            values = np.zeros(int(offsets[-1]), np.int32)
+            values[offsets[1:][widths > 0] - 1] = rounds.to_numpy()[widths > 0]
+            made["spec_verified_histogram"] = pa.ListArray.from_arrays(
+                pa.array(offsets), pa.array(values), mask=pc.is_null(t["spec_block_size"]).combine_chunks())
+    if not made:
+        return t, old
+    return pa.table({c: made[c] if c in made else t[c] for c in columns}), old
 
 
 def count_committed(out_dir: Path) -> tuple[Counter, Counter, dict[str, tuple[int, str]]]:

@@ -378,17 +378,13 @@ class KimiK3ForConditionalGeneration(nn.Module):
     def reset_state(self, slot: int) -> None:
         """Zero one sequence's recurrent state (conv window and delta-rule state) before a new
         sequence starts in that slot."""
-        for layer in self.model.layers:
-            if layer.is_kda:
-                layer.self_attn.conv_state[slot] = 0
-                layer.self_attn.state[slot] = 0
+        for pool in self.state_pools():
+            pool[slot] = 0
 
     def copy_state(self, src: int, dst: int) -> None:
         """Start sequence slot `dst` from slot `src`'s recurrent state (a prompt prefilled once)."""
-        for layer in self.model.layers:
-            if layer.is_kda:
-                layer.self_attn.conv_state[dst] = layer.self_attn.conv_state[src]
-                layer.self_attn.state[dst] = layer.self_attn.state[src]
+        for pool in self.state_pools():
+            pool[dst] = pool[src]
 
     def state_pools(self) -> list[torch.Tensor]:
         """The KDA layers' recurrent-state tensors (conv windows, delta-rule states), [slots, ...] each."""
