@@ -172,3 +172,21 @@ def test_export_refuses_an_unfinished_run_unless_partial(tmp_path, model_dir):
         assert subprocess.run([*cli, *args, "--partial"], capture_output=True).returncode == 0
     card = (tmp_path / "hf" / "README.md").read_text()
     assert "**Partial**: exported before the run finished" in card and "5 rows: 5 ok" in card
+
+
+def test_parts_written_before_cached_tokens_read_as_null(out_dir):
+    """Output schema v2 parts (no cached_tokens) and v1 parts (nor the drafts verified) read with
+    cached_tokens null, so the shard stats and `status` sum nothing for them."""
+    import pyarrow.parquet as pq
+
+    from dflash_batch.io.ledger import STAT_COLUMNS, count_committed, part_files, read_part
+    files = part_files(out_dir)
+    for dropped, old in ((["cached_tokens"], False), (["spec_drafts_verified", "spec_verified_histogram"], True)):
+        for f in files:
+            t = pq.read_table(f)
+            pq.write_table(t.drop_columns([c for c in dropped if c in t.column_names]), f)
+        t, was_old = read_part(files[0], STAT_COLUMNS + ["row_id"])
+        assert was_old == old and t.column_names == STAT_COLUMNS + ["row_id"]
+        assert t["cached_tokens"].null_count == len(t) and t["spec_drafts_verified"].null_count < len(t)
+    _, by_bucket, _ = count_committed(out_dir)
+    assert all(by_bucket[k] == 0 for k in by_bucket if k[1] == "cached_tokens")
