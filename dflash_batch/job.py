@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dflash_batch.limits import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from dflash_batch.plan.heads import MIN_HEAD_TOKENS
 
 MAX_CONTEXT = 131072
 # Nominal memory of the GPUs engine.gpu_memory names, in GB (10^9 bytes; the driver reports a
@@ -147,7 +148,8 @@ class EngineSpec(_Strict):
                                 "(docs: Job file, engine.share_prompts).")
     shared_head_tokens: int = Field(8192, ge=0, description="The longest prompt head rows share (a longer "
                                     "one is shared this far); the memory plan counts two heads of it per "
-                                    "bucket, once. Below 64: no shared heads (samples of a prompt still fork).")
+                                    "bucket, once. 0: no shared heads (samples of a prompt still fork); "
+                                    "else at least 64 (plan/heads.py's MIN_HEAD_TOKENS).")
     backend: Literal["auto", "torch", "flashinfer"] = Field(
         "auto", description="Attention backend. auto: flashinfer on a CUDA host that has it, for GQA "
         "models; else torch (torch: the CPU reference path, even on a CUDA host).")
@@ -188,6 +190,15 @@ class EngineSpec(_Strict):
         if value is not None:
             gpu_bytes(value)
         return value
+
+    @model_validator(mode="after")
+    def _shared_heads(self) -> EngineSpec:
+        if 0 < self.shared_head_tokens < MIN_HEAD_TOKENS:
+            raise ValueError(f"shared_head_tokens {self.shared_head_tokens}: a head shorter than {MIN_HEAD_TOKENS} "
+                             "tokens is never shared; give 0 (no shared heads) or at least that")
+        if not self.share_prompts and "shared_head_tokens" in self.model_fields_set:
+            raise ValueError("shared_head_tokens is set but share_prompts is false: nothing is shared (drop one)")
+        return self
 
 
 class PinnedDrafts(_Strict):

@@ -83,6 +83,9 @@ BAD = [
     ("bad version", with_("version", 2), "version"),
     ("negative workers", with_("input.workers", -1), "input.workers"),
     ("tools without messages", with_("input.tools_column", "tools"), "tools_column is only used with messages_column"),
+    ("a head too short to share", with_("engine.shared_head_tokens", 32), "a head shorter than 64 tokens"),
+    ("head length without sharing", with_("engine", {"share_prompts": False, "shared_head_tokens": 4096}),
+     "shared_head_tokens is set but share_prompts is false"),
 ]
 
 
