@@ -36,11 +36,17 @@ FORWARDS = [
     ("verify, window 6", [(66, 8, 74), (18, 8, 26)], True, 6),
     ("draft block, non-causal window 6", [(66, 8, 74), (18, 8, 26)], False, 6),
     ("draft block, non-causal", [(66, 8, 74), (18, 8, 26)], False, None),
+    # Windows whose first position is 1, 2 and 3 mod 4 (each rank's first kept key differs).
+    ("verify, window 5 (first keys at 62 and 15)", [(66, 8, 74), (19, 8, 27)], True, 5),
+    ("draft block, non-causal window 6 (first keys at 61 and 14)", [(66, 8, 74), (19, 8, 27)], False, 6),
 ]
 # flashinfer's latent path takes windows over non-causal blocks no longer than the window only.
 FLASHINFER_FORWARDS = [f for f in FORWARDS if f[3] is None] + [
     ("draft block, non-causal window 11", [(66, 8, 74), (18, 8, 26)], False, 11),
     ("draft block, non-causal window 10 past a context shorter than it", [(58, 8, 66), (0, 8, 8)], False, 10),
+    # Windows whose first position is 1, 2 and 3 mod 4 (each rank's first kept key differs).
+    ("draft block, non-causal window 9 (first keys at 65 and 18)", [(66, 8, 74), (19, 8, 27)], False, 9),
+    ("draft block, non-causal window 12 (first keys at 62 and 15)", [(66, 8, 74), (19, 8, 27)], False, 12),
 ]
 FORWARDS_OF = {"torch": FORWARDS, "flashinfer": FLASHINFER_FORWARDS}
 
@@ -137,6 +143,20 @@ def test_split_attention_equals_whole(tmp_path, kind, ways, scores_limit):
         heads = torch.cat([part["outs"][i] for part in got], dim=1)
         # flashinfer's log-sum-exps are float32: the merge's weights carry their rounding.
         torch.testing.assert_close(heads, want[i], rtol=0, atol=1e-12 if kind == "torch" else 2e-6, msg=name)
+
+
+@pytest.mark.parametrize("ways", [1, 2, 3, 4])
+def test_kept_positions_are_those_of_the_rank(ways):
+    # The one definition both backends read: rank r keeps positions p with p mod ways == r.
+    for rank in range(ways):
+        split = LatentSplit(ways, rank)
+        for low in range(0, 2 * ways + 3):
+            kept = [p for p in range(low, low + ways) if p % ways == rank]
+            assert split.first_kept(low) == kept[0]
+            assert split.first_kept(torch.tensor([low])).tolist() == kept
+            below = sum(p % ways == rank for p in range(low))
+            assert split.kept_below(low) == below
+            assert split.kept_below(torch.tensor([low, -low])).tolist() == [below, 0]
 
 
 def test_a_split_needs_pages_that_split_evenly():

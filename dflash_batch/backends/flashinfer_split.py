@@ -3,13 +3,13 @@
 Rank r of `ways` keeps positions r, r + ways, ... of every sequence, global slot s at local row
 s div ways, so page P's kept positions are local page P at page size page_size / ways: the page
 tables stay. What changes is which keys a query sees here. A query at position p sees the
-`local_len(p + 1)` kept positions up to it; over a causal chunk's consecutive queries that count
+`kept_below(p + 1)` kept positions up to it; over a causal chunk's consecutive queries that count
 grows by one every `ways` queries, so the wrapper's bottom-right mask (one more key a query) holds
 not for a sequence's queries but for each chain of them `ways` apart. Each chain is one of the
 wrapper's sequences, its queries gathered together and put back after (prefill chunks). A
 captured round keeps a fixed count of the wrapper's sequences: one a query (a block of 8 at TP8
 or wider is that already), in the forward's order. A non-causal block's queries all see
-`local_len(kv_len)` keys; a sliding layer's, the kept positions of their window.
+`kept_below(kv_len)` keys; a sliding layer's, the kept positions of their window.
 
 A query that sees no key here (a position below this rank's first; a context shorter than the
 ranks) is handed the scratch page's first row and marked dead: the backend gives it output 0 and
@@ -32,11 +32,6 @@ class SplitRows:
     csr: tuple[torch.Tensor, ...]  # qo_indptr, kv_indptr, kv_indices, kv_len_arr (int32)
     order: torch.Tensor | None     # [T] forward row of each wrapper row (None: the forward's order)
     dead: torch.Tensor             # [T] bool: forward rows that see no key on this rank
-
-
-def local_len(lengths: torch.Tensor, split: LatentSplit) -> torch.Tensor:
-    """How many of positions 0..length-1 this rank keeps."""
-    return (lengths - split.rank + split.ways - 1).div(split.ways, rounding_mode="floor").clamp_min(0)
 
 
 def position_slots(tables: list[list[int]], rows: list[int | None], seq: torch.Tensor, pos: torch.Tensor,
@@ -77,7 +72,7 @@ def paged_rows(q_lens: list[int], kv_lens: list[int], tables: list[list[int]], p
     seq = torch.repeat_interleave(torch.arange(n), q)
     index = torch.arange(total) - (q.cumsum(0) - q)[seq]    # query index within its sequence
     pos = kv_len[seq] - q[seq] + index
-    seen = local_len(pos + 1 if causal else kv_len[seq], split)
+    seen = split.kept_below(pos + 1 if causal else kv_len[seq])
     dead = seen == 0
     chains = causal and not one_per_query  # the only wrapper sequences that reorder queries
     if not causal:
@@ -108,12 +103,11 @@ def window_rows(q_lens: list[int], kv_lens: list[int], tables: list[list[int]], 
     ways = split.ways
     q, kv_len = torch.tensor(q_lens), torch.tensor(kv_lens)
     low = (kv_len - window).clamp_min(0)
-    counts = local_len(kv_len, split) - local_len(low, split)
+    counts = split.kept_below(kv_len) - split.kept_below(low)
     empty = counts == 0
     counts = torch.where(empty, 1, counts)
     seq = torch.repeat_interleave(torch.arange(len(q_lens)), counts)
-    first = low + (split.rank - low) % ways                 # this rank's first kept position from low
-    pos = first[seq] + ways * (torch.arange(int(counts.sum())) - (counts.cumsum(0) - counts)[seq])
+    pos = split.first_kept(low)[seq] + ways * (torch.arange(int(counts.sum())) - (counts.cumsum(0) - counts)[seq])
     slots = position_slots(tables, rows, seq, pos, page_size, ring_pages, scratch_page)
     slots = torch.where(empty[seq], scratch_page * page_size, slots)
     dead = torch.repeat_interleave(empty, q)

@@ -37,6 +37,15 @@ class LatentSplit:
             raise ValueError(f"a latent cache of {num_slots} slots does not split {self.ways} ways")
         return num_slots // self.ways
 
+    def first_kept(self, low: int | torch.Tensor) -> int | torch.Tensor:
+        """The first position at or after `low` that this rank keeps."""
+        return low + (self.rank - low) % self.ways
+
+    def kept_below(self, length: int | torch.Tensor) -> int | torch.Tensor:
+        """How many of positions 0..length-1 this rank keeps."""
+        kept = (length - self.rank + self.ways - 1) // self.ways
+        return kept.clamp_min(0) if isinstance(kept, torch.Tensor) else max(kept, 0)
+
     def write_rows(self, slots: torch.Tensor, scratch: int) -> torch.Tensor:
         """The local row each global slot is written to here (`scratch` where another rank keeps it,
         or the slot is -1)."""

@@ -27,6 +27,7 @@ SCORES_LIMIT = 1 << 24
 # A block of keys goes through ATen's fused CPU flash-attention kernel where it exists (a private
 # op of the pinned torch; it returns the log-sum-exp that merging blocks needs).
 FUSED_CPU_BLOCKS = hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+WHOLE = LatentSplit(1, 0)  # no split: the one rank keeps every position
 
 
 @dataclass(frozen=True)
@@ -47,15 +48,15 @@ def key_span(meta: AttnMeta, window: int | None, split: LatentSplit | None = Non
     + q_max - 1 positions that end at its last query (every key its queries may see: in every
     forward the engine runs, keys lie at or before the last query), so a sliding layer's cost,
     and a ring cache, stay in the window. Otherwise positions 0..max_kv for all."""
-    ways, rank = (split.ways, split.rank) if split else (1, 0)
+    split = split or WHOLE
+    ways, rank = split.ways, split.rank
     count = None if window is None else window + meta.q_index.shape[1] - 1
     if count is None or count >= meta.max_kv:
         # A rank may keep none of a short context's positions: it reads one, masked.
-        return Span(None, max(1, -(-(meta.max_kv - rank) // ways)), None, ways, rank)
+        return Span(None, max(1, split.kept_below(meta.max_kv)), None, ways, rank)
 
     def first() -> torch.Tensor:
-        first = meta.q_positions.amax(1) - (count - 1)
-        return first + (rank - first) % ways  # this rank's first position from there
+        return split.first_kept(meta.q_positions.amax(1) - (count - 1))
     return Span(meta.shared(("first_key", window), first), -(-count // ways), window, ways, rank)
 
 
