@@ -15,8 +15,7 @@ import orjson
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from dflash_batch.limits import MAX_LOGIT_BIAS, MAX_LOGPROBS
-from dflash_batch.plan.heads import MIN_HEAD_TOKENS
+from dflash_batch.limits import MAX_LOGIT_BIAS, MAX_LOGPROBS, MIN_HEAD_TOKENS
 
 MAX_CONTEXT = 131072
 # Nominal memory of the GPUs engine.gpu_memory names, in GB (10^9 bytes; the driver reports a
@@ -149,7 +148,7 @@ class EngineSpec(_Strict):
     shared_head_tokens: int = Field(8192, ge=0, description="The longest prompt head rows share (a longer "
                                     "one is shared this far); the memory plan counts two heads of it per "
                                     "bucket, once. 0: no shared heads (samples of a prompt still fork); "
-                                    "else at least 64 (plan/heads.py's MIN_HEAD_TOKENS).")
+                                    "else at least 64 (a shorter head is never shared).")
     backend: Literal["auto", "torch", "flashinfer"] = Field(
         "auto", description="Attention backend. auto: flashinfer on a CUDA host that has it, for GQA "
         "models; else torch (torch: the CPU reference path, even on a CUDA host).")

@@ -15,6 +15,7 @@ from torch import nn
 
 from dflash_batch import parallel
 from dflash_batch.backends.meta import AttnMeta
+from dflash_batch.backends.torch_attention import TORCH
 from dflash_batch.models.layers.linear import ParallelLMHead, VocabParallelEmbedding
 from dflash_batch.models.loader import load_model
 
@@ -49,7 +50,7 @@ def meta_for(rows: list[torch.Tensor], tables: list[list[int]]) -> AttnMeta:
     return AttnMeta(
         positions=positions, slots=table[seq, positions // PAGE] * PAGE + positions % PAGE,
         q_index=q_index, q_positions=q_positions, kv_lens=kv_lens, block_tables=table,
-        page_size=PAGE, max_kv=int(kv_lens.max()), logits_rows=torch.arange(len(positions)))
+        page_size=PAGE, max_kv=int(kv_lens.max()), logits_rows=torch.arange(len(positions)), backend=TORCH)
 
 
 def scattered_tables(n: int) -> list[list[int]]:

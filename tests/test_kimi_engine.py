@@ -181,6 +181,19 @@ def test_tp2_latent_split_on_flashinfer_equals_tp1(tmp_path):
                                            cached=[0, 0, 0, 0, 70])
 
 
+@pytest.mark.numerics
+@pytest.mark.no_rerun
+def test_tp2_latent_split_shares_a_head_whose_rows_have_short_tails(tmp_path):
+    # Three prompts share a 70-token head and end 5, 1 and 3 tokens past it, inside the drafter's
+    # window (6): the first drafts of the rows that enter the head read the ring rows kept at its
+    # end (each rank's share of them), which their own tails do not rewrite. Eager, torch backend.
+    target, drafter = make_kimi_pair(tmp_path / "pair", stream="attn_res", moe_intermediate_size=64, slices=2)
+    head = random_prompts([70], vocab=VOCAB, seed=7)[0]
+    prompts = [head + t for t in random_prompts([5, 1, 3], vocab=VOCAB, seed=8)]
+    engine_tp_worker.assert_tp2_equals_tp1(str(target), str(drafter), prompts, {"greedy": dict(max_new_tokens=16)},
+                                           str(tmp_path), free_port(), latent_split=True, cached=[0, 70, 70])
+
+
 @pytest.mark.slow
 @pytest.mark.no_rerun
 def test_tp2_auto_with_the_latent_split_decodes_what_one_process_does(tmp_path):

@@ -156,3 +156,56 @@ def test_shared_heads_through_run(tmp_path, qwen3):
     assert (bucket_stats["prompt_tokens"], bucket_stats["cached_tokens"]) == (prompt, 240)
     status = CliRunner().invoke(main, ["status", str(tmp_path / "out")])
     assert re.search(rf"0-256 +5 +0 +{prompt} +{240 / prompt:.0%}", status.output), status.output
+
+
+def close(a, b, atol: float = 1e-9) -> bool:
+    """Equal values, floats within atol, nested lists compared item by item."""
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(close(x, y, atol) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= atol
+    return a == b
+
+
+def test_heads_score_prompts_at_each_rows_temperature_through_run_and_the_api(tmp_path, qwen3):
+    """Rows on one 80-token head asking prompt logprobs at two temperatures and two counts, and
+    rows asking none (one of them admitted first): through `run` and through the Python API,
+    every row's outputs, logprobs and prompt logprobs equal a run that shares nothing. Rows
+    share a head only with rows asking the same (the head's scores are computed once): three
+    heads, each computed once (240 cached tokens)."""
+    import dflash_batch
+
+    head = random_prompts([80], seed=5)[0]
+    asks = [(None, 1.0), (2, 0.5), (2, 1.5), (2, 0.5), (3, 1.5), (None, 1.0), (2, 1.5)]
+    rows = [{"id": f"r{i}", "ids": head + t, "plp": plp, "t": t_}
+            for i, (t, (plp, t_)) in enumerate(zip(random_prompts([3, 20, 1, 9, 5, 2, 7], seed=6), asks))]
+    sampling = {"logprobs": 2, "max_new_tokens": 6}
+    columns = {"prompt_logprobs": "plp", "temperature": "t"}
+    outputs = {}
+    for share in (True, False):
+        engine = Engine(*load_pair(*qwen3, F64), dtype=F64, share_prompts=share)
+        target, drafter = qwen3
+        write_jsonl(tmp_path / "p.jsonl", rows)
+        doc = base_job(_model_dir(tmp_path / str(share), target), ["p.jsonl"], sampling={"ignore_eos": True,
+                                                                                           **sampling},
+                       input={"prompt_column": None, "input_ids_column": "ids", "workers": 0,
+                              "sampling_columns": columns},
+                       engine={"max_num_seqs": 8, "compile": False}, output={"include_token_ids": True})
+        doc["model"].update(drafter=str(drafter), dtype="float64")
+        doc["output"]["dir"] = f"run-{share}"
+        run_job(write_job(tmp_path, doc), lambda j, tok: engine, Shard(0, 1), progress=False)
+        outputs["run", share] = read_out(tmp_path / f"run-{share}")
+        doc["output"]["dir"] = str(tmp_path / f"api-{share}")
+        del doc["input"]["paths"]
+        outputs["api", share] = list(dflash_batch.generate(rows, doc, engine_factory=lambda j, tok: engine))
+    volatile = {"ttft_s", "latency_s", "cached_tokens"}
+    for way in ("run", "api"):
+        got, want = ({r["row_id"]: {k: v for k, v in r.items() if k not in volatile} for r in outputs[way, s]}
+                     for s in (True, False))
+        assert all(r["status"] == "ok" for r in got.values()), [r["error"] for r in got.values()]
+        assert got.keys() == want.keys() and len(got) == len(rows)
+        for row_id in want:
+            for column, value in want[row_id].items():
+                assert close(got[row_id][column], value), (way, row_id, column)
+        cached = {r["row_id"]: r["cached_tokens"] for r in outputs[way, True]}
+        assert sum(cached.values()) == 240 and cached["r4"] == 0, (way, cached)

@@ -135,3 +135,52 @@ def test_shared_heads_decode_as_unshared_kimi(tmp_path):
     """The KDA states kept at each head's exact end, the MLA latents of its pages, the drafter's
     context and its sliding layers' rings (window 6)."""
     check_heads(kimi_pair.load_pair(*kimi_pair.make_kimi_pair(tmp_path / "k"), F64), kimi_pair.VOCAB)
+
+
+def qwen3_engines(tmp_path, shared_head_tokens: int) -> tuple[Engine, Engine]:
+    """Engines on the tiny Qwen3 pair (float64, prefill chunks of 64): sharing prompts with heads
+    of up to `shared_head_tokens`, and sharing nothing."""
+    target = make_target(tmp_path / "target")
+    make_drafter(tmp_path / "v2", 2, block_size=8)
+    models = load_pair(target, tmp_path / "v2", F64)
+    shared, alone = (Engine(*models, dtype=F64, max_num_batched_tokens=64, share_prompts=s,
+                            shared_head_tokens=shared_head_tokens) for s in (True, False))
+    return shared, alone
+
+
+@pytest.mark.numerics
+def test_heads_are_shared_as_far_as_shared_head_tokens(tmp_path):
+    # engine.shared_head_tokens 120: the 150- and 128-token heads are shared 120 tokens (the pool
+    # holds two heads of 120), the 100-token one 99, and the outputs are those of sharing nothing.
+    shared, alone = qwen3_engines(tmp_path, 120)
+    reqs = head_requests(8)
+    _, ran, ran_alone = shared_and_alone(shared, alone, reqs, 3)
+    forked = shared.cached[reqs[10].key] - 99  # as in check_heads
+    assert ran == ran_alone - (6 * 120 + 4 * 99) - forked, (ran, ran_alone, forked)
+    assert max(shared.cached.values()) == 120
+
+
+def pool_requests(vocab: int) -> list[Request]:
+    """Five heads of 100 tokens, three rows each (tails of 1 to 15 tokens); each head's first row
+    decodes 40 tokens, the others 2."""
+    heads = random_prompts([100] * 5, vocab=vocab, seed=31)
+    tails = random_prompts([1 + (7 * i) % 15 for i in range(15)], vocab=vocab, seed=32)
+    return [Request((str(i), 0), heads[i // 3] + tails[i], SamplingParams(max_new_tokens=[40, 2, 2][i % 3]))
+            for i in range(15)]
+
+
+@pytest.mark.numerics
+def test_a_full_pool_delays_sharing_and_frees_every_head(tmp_path):
+    # Four rows at a time and a pool of two heads of 100 tokens. Heads 0 and 1 take the pool, and
+    # their first rows decode on: head 2's rows all come while it is full, and prefill their whole
+    # prompts themselves; so does head 3's first row, but its next row comes once head 0's pages
+    # are back, and leads it. A pool that kept a head it had no room for from counting that
+    # row as admitted would never give its pages back, and share nothing more (head 4).
+    shared, alone = qwen3_engines(tmp_path, 100)
+    reqs = pool_requests(8)
+    shared_and_alone(shared, alone, reqs, 4)
+    cached = [shared.cached[r.key] for r in reqs]
+    assert cached[6:10] == [0] * 4, f"the pool was not full when head 2's rows came: {cached}"
+    for h in (0, 1, 3, 4):
+        assert sum(cached[3 * h:3 * h + 3]) >= 100, f"head {h} was never shared: {cached}"
+    assert not shared.heads.live and len(shared.heads.free) == 14, "a head's pages were never given back"

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from dflash_batch.backends.meta import AttnMeta
+from dflash_batch.backends.torch_attention import TORCH
 from dflash_batch.models.loader import load_model
 from tests.numerics import assert_close
 from tests.tiny_models import load_hf_model, make_qwen3_checkpoint
@@ -51,7 +52,7 @@ def build_meta(seqs: list[tuple[int, int, list[int]]], logits_rows: torch.Tensor
     return AttnMeta(
         positions=torch.cat(positions), slots=torch.cat(slots), q_index=q_idx, q_positions=q_pos,
         kv_lens=torch.tensor(kv_lens), block_tables=tables, page_size=PAGE, max_kv=max(kv_lens),
-        logits_rows=torch.arange(row) if logits_rows is None else logits_rows,
+        logits_rows=torch.arange(row) if logits_rows is None else logits_rows, backend=TORCH,
     )
 
 

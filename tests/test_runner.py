@@ -194,6 +194,10 @@ def test_shard_stats_pool_counters_as_ratios_of_sums(tmp_path, model_dir):
         verified = sum(r["spec_drafts_verified"] for r in mine)
         assert s["spec_drafts_verified"] == verified < 7 * rounds  # the fake engine verifies fewer at times
         assert s["proposal_acceptance"] == pytest.approx(accepted / verified)
+        # Each row's own: over the drafts its rounds verified, not the block's 7 a round.
+        for r in mine:
+            assert r["proposal_acceptance"] == pytest.approx(r["spec_accepted"] / r["spec_drafts_verified"])
+        assert any(r["spec_drafts_verified"] < 7 * r["spec_rounds"] and r["spec_accepted"] for r in mine)
         assert s["completion_tokens"] == sum(r["completion_tokens"] for r in mine)
     assert stats["-"]["error"] == 1 and stats["-"]["acc_len"] is None
 

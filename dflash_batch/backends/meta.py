@@ -83,6 +83,7 @@ class AttnMeta:
     page_size: int
     max_kv: int                 # host-side upper bound of kv_lens: how many key positions to read
     logits_rows: torch.Tensor   # [R] int64: rows whose logits (and samples) the engine needs
+    backend: AttentionBackend   # what writes and reads the caches of this forward
     gather_logits: bool = True  # False: each rank returns its vocabulary slice (read by parallel.sharded_*)
     state_ids: torch.Tensor | None = None  # [bs] recurrent-state slot of each sequence
     stage: bool = False         # verify: stage recurrent states per row instead of updating them
@@ -92,7 +93,6 @@ class AttnMeta:
     rows: torch.Tensor | None = None  # [bs] batch row of each sequence (whose ring pages it uses)
     ring: Ring | None = None    # the geometry of ring caches, for layers that keep one
     name: str = "forward"       # which planned forward this is (backends plan per name)
-    backend: AttentionBackend | None = None  # None: the torch reference
     derived: dict = field(default_factory=dict, repr=False)  # per-forward values layers share
 
     def shared(self, key: Any, make: Callable[[], Any]) -> Any:
@@ -127,35 +127,5 @@ class AttnMeta:
                                    name=f"{self.name}.ring")
 
     @property
-    def attention(self) -> AttentionBackend:
-        if self.backend is None:
-            from dflash_batch.backends.torch_attention import TORCH  # the default; imports this module
-            self.backend = TORCH
-        return self.backend
-
-    @property
     def num_rows(self) -> int:
         return int(self.positions.shape[0])
-
-
-def single_sequence_meta(num_tokens: int, start: int = 0, page_size: int = 16,
-                         all_logits: bool = True) -> AttnMeta:
-    """Meta for one sequence whose rows sit at positions start..start+num_tokens-1 and whose
-    cache pages are 0, 1, 2, ... (used by tests and simple callers)."""
-    end = start + num_tokens
-    pages = (end + page_size - 1) // page_size
-    positions = torch.arange(start, end)
-    rows = torch.arange(num_tokens)
-    return AttnMeta(
-        positions=positions,
-        slots=positions.clone(),
-        q_index=rows[None, :],
-        q_positions=positions[None, :],
-        kv_lens=torch.tensor([end]),
-        block_tables=torch.arange(pages)[None, :],
-        page_size=page_size,
-        max_kv=end,
-        min_start=start,
-        logits_rows=rows if all_logits else rows[-1:],
-        dense=True,
-    )

@@ -109,7 +109,7 @@ class DecodeBatch:
         self.tables[row] = -1
         self.tables[row, :len(seq.pages)] = torch.tensor(seq.pages, device=self.device)
         self.host_tables[row] = list(seq.pages)
-        if seq.head is not None:
+        if max(seq.pages) > self.scratch_page:  # a shared head's pages (engine/heads.py)
             self.shared_rows.add(row)
         else:
             self.shared_rows.discard(row)

@@ -15,10 +15,12 @@ and their rows' page tables point at (engine/heads.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from dflash_batch.backends.meta import AttentionBackend, AttnMeta, Ring
+from dflash_batch.backends.torch_attention import TORCH
 
 
 def row_pages(row: int, pages_per_row: int) -> list[int]:
@@ -29,6 +31,21 @@ def row_pages(row: int, pages_per_row: int) -> list[int]:
 def slots(pages: list[int], positions: range | list[int], page_size: int) -> list[int]:
     """The cache slots of these positions of a sequence with these pages."""
     return [pages[p // page_size] * page_size + p % page_size for p in positions]
+
+
+class RowRings(NamedTuple):
+    """The drafter's ring caches of a bucket (a rank's share of them, under a latent split) and
+    the slots each batch row holds in every one of them (backends/meta.py's Ring)."""
+
+    caches: list[torch.Tensor]
+    row_slots: int
+
+    def of(self, row: int) -> list[torch.Tensor]:
+        """Batch row `row`'s slots in each ring (views: writing them writes the rings)."""
+        return [ring[row * self.row_slots:(row + 1) * self.row_slots] for ring in self.caches]
+
+
+NO_RINGS = RowRings([], 0)
 
 
 @dataclass
@@ -43,7 +60,7 @@ class SeqRows:
 
 def build_meta(rows: list[SeqRows], page_size: int, logits_rows: list[int] | None = None,
                device: torch.device | str = "cpu", state_ids: list[int] | None = None,
-               stage: bool = False, backend: AttentionBackend | None = None, name: str = "forward",
+               stage: bool = False, backend: AttentionBackend = TORCH, name: str = "forward",
                batch_rows: list[int] | None = None, ring: Ring | None = None) -> AttnMeta:
     """The AttnMeta of a forward whose rows are `rows`, packed in order; `batch_rows`: the batch
     row of each sequence (whose ring pages it uses, with `ring`)."""

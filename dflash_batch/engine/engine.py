@@ -21,7 +21,7 @@ from dflash_batch import parallel
 from dflash_batch.backends.meta import AttentionBackend, Ring
 from dflash_batch.backends.torch_attention import TORCH
 from dflash_batch.engine.batch import DecodeBatch
-from dflash_batch.engine.cache import SeqRows, build_meta, row_pages, slots
+from dflash_batch.engine.cache import NO_RINGS, RowRings, SeqRows, build_meta, row_pages, slots
 from dflash_batch.engine.compile_policy import CompileWhenItPays
 from dflash_batch.engine.graphs import RoundGraphs
 from dflash_batch.engine.heads import HeadPool, plan_heads, pool_bound
@@ -56,14 +56,13 @@ def runtime_tensors(models: list[torch.nn.Module]) -> list[torch.Tensor]:
     return [v for _, _, v in named_runtime_tensors(models)]
 
 
-def ring_rows(drafter: torch.nn.Module, ring: Ring | None, seqs: int, page_size: int,
-              ways: int) -> tuple[list[torch.Tensor], int]:
+def ring_rows(drafter: torch.nn.Module, ring: Ring | None, seqs: int, page_size: int, ways: int) -> RowRings:
     """The drafter's ring caches of a bucket of `seqs` rows (this rank's share of them, under a
-    latent split `ways` ways) and the slots one batch row holds in each ([], 0: no rings)."""
+    latent split `ways` ways) and the slots one batch row holds in each."""
     if ring is None:
-        return [], 0
+        return NO_RINGS
     size = ring.slots(seqs, page_size) // ways
-    return [t for t in runtime_tensors([drafter]) if t.shape[0] == size], ring.pages * page_size // ways
+    return RowRings([t for t in runtime_tensors([drafter]) if t.shape[0] == size], ring.pages * page_size // ways)
 
 
 def _split(ways: int) -> dict[str, int]:
@@ -119,11 +118,11 @@ class Engine:
         self.log = log or (lambda line: None)
         self.rounds: dict[int, Round] = {}  # by block size: compiled code is kept across buckets
         self.bucket_state: tuple | None = None  # (shape, caches, batch, round, graphs) of the last bucket
-        # The drafter's sliding layers' ring geometry in this bucket, and those caches (None, []:
-        # whole caches).
+        # The drafter's sliding layers' ring geometry in this bucket, and those caches (None,
+        # NO_RINGS: whole caches).
         self.ring: Ring | None = None
-        self.ring_caches: list[torch.Tensor] = []
-        self.ring_span = 0  # slots of a batch row in each of ring_caches
+        self.rings = NO_RINGS
+        self.heads: HeadPool | None = None  # the shared heads of the last generate call (engine/heads.py)
         self.auto_speculation = auto_speculation
         self.schedules: dict[str, Schedule] = {}  # by bucket name: drafts verified by batch size (schedule.py)
 
@@ -156,12 +155,12 @@ class Engine:
         split = self.latent_ways
         caches = slot_caches(models, batch, split)
         self.ring = batch.ring
-        self.ring_caches, self.ring_span = ring_rows(self.drafter, self.ring, seqs, self.page_size, split)
+        self.rings = ring_rows(self.drafter, self.ring, seqs, self.page_size, split)
         batch.clear_all()  # a previous generate that was closed early may have left rows
         schedule = self._schedule(bucket, block, batch, step, graphs) if block > 1 else None
-        pool = HeadPool(heads, seqs * pages_per_row + 1, batch.head_pages, self.page_size,
-                        self.target if self.recurrent else None)
-        q = Queue(requests, seqs, self.budget, pool)
+        self.heads = HeadPool(heads, seqs * pages_per_row + 1, batch.head_pages, self.page_size,
+                              self.target if self.recurrent else None)
+        q = Queue(requests, seqs, self.budget, self.heads)
         # inference_mode dispatches small ops faster; torch.compile wants plain no_grad tensors.
         with torch.no_grad() if self.compile else torch.inference_mode():
             while True:
@@ -174,7 +173,7 @@ class Engine:
                     q.start(Sequence(req, row_pages(row, pages_per_row), block, row), self.share_prompts)
                 if q.prefilling:
                     for seq in q.heads.entering(q.prefilling):
-                        q.heads.enter(seq, self._copier(caches), self.ring_caches, self.ring_span, self._score)
+                        q.heads.enter(seq, self._copier(caches), self.rings, self._score)
                     ready = [s for s in q.prefilling if not q.heads.waits(s)]
                     chunks = self._prefill_chunk(ready, q.prefill_budget, q.heads.stop)
                     involved = [seq for seq, _ in chunks]
@@ -418,7 +417,7 @@ class Engine:
         self.log(f"bucket {bucket.name}: speculation off (auto): {why}; target-only from here")
         shape = (bucket.max_num_seqs, pages_per_row, 1)
         self.bucket_state = (shape, runtime_tensors([self.target]), one, self.rounds[1], graphs)
-        self.ring, self.ring_caches, self.ring_span = None, [], 0
+        self.ring, self.rings = None, NO_RINGS
         return one, self.rounds[1], graphs
 
     def _padded(self, n: int) -> int:
@@ -484,7 +483,7 @@ class Engine:
         for seq, here in zip(seqs, scored):
             if heads.stop(seq) == seq.prefilled:  # its last row scores the token after the head
                 edge = scores[here[-1]].clone() if seq.prompt_logprobs is not None else None
-                heads.keep(seq, self._copier(caches), self.ring_caches, self.ring_span, edge)
+                heads.keep(seq, self._copier(caches), self.rings, edge)
         finishing, last = [], []  # with the logits row each one's first token comes from
         for seq, here in zip(seqs, scored):
             if seq.prefilled == len(seq.prompt):
@@ -516,12 +515,12 @@ class Engine:
         """The followers of a prefilled prompt start where it ends, with its recurrent state."""
         followers, leader.followers = leader.followers, []
         self._copy_prompt(leader, followers, len(leader.prompt), caches)
-        span = self.ring_span
         for seq in followers:
             if self.recurrent:
                 self.target.copy_state(leader.row, seq.row)
-            for ring in self.ring_caches:  # the leader's ring holds its prompt's last positions
-                ring[seq.row * span:(seq.row + 1) * span] = ring[leader.row * span:(leader.row + 1) * span]
+            # The leader's ring holds its prompt's last positions.
+            for ring, source in zip(self.rings.of(seq.row), self.rings.of(leader.row)):
+                ring.copy_(source)
         return followers
 
     def _copier(self, caches: list[torch.Tensor]) -> Callable[[list[int], list[int]], None]:

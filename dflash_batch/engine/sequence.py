@@ -4,12 +4,7 @@ from __future__ import annotations
 
 import time
 
-from typing import TYPE_CHECKING
-
 from dflash_batch.engine.request import Completion, Logprobs, Request, SpecCounters
-
-if TYPE_CHECKING:
-    from dflash_batch.engine.heads import LiveHead
 
 
 class Sequence:
@@ -21,7 +16,6 @@ class Sequence:
         self.pages = pages
         self.prefilled = 0                 # prompt tokens whose target K/V is written
         self.cached = 0                    # of those, taken from a shared head or a forked prefill
-        self.head: LiveHead | None = None  # the shared head whose pages it reads (engine/heads.py)
         self.tokens: list[int] = []        # generated tokens; the last one is the next anchor
         self.spec = SpecCounters(block_size) if block_size > 1 else None
         self.matcher = request.grammar() if request.grammar is not None else None  # structured output

@@ -112,15 +112,15 @@ class DFlashAttention(CacheLayer):
     def _write(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta) -> None:
         T = x.shape[0]
         k, v = self.kv_proj(x).view(T, 2 * self.num_kv_heads, self.head_dim).chunk(2, dim=1)
-        meta.attention.write(self.k_cache, meta, apply_rope(self.k_norm(k), cos, sin))
-        meta.attention.write(self.v_cache, meta, v)
+        meta.backend.write(self.k_cache, meta, apply_rope(self.k_norm(k), cos, sin))
+        meta.backend.write(self.v_cache, meta, v)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
         T = x.shape[0]
         meta = self.cache_meta(meta)
         self._write(x, cos, sin, meta)
         q = apply_rope(self.q_norm(self.q_proj(x).view(T, self.num_heads, self.head_dim)), cos, sin)
-        o = meta.attention.attend(q, self.k_cache, self.v_cache, meta, self.scale, self.causal, self.window)
+        o = meta.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale, self.causal, self.window)
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
 
 
@@ -169,7 +169,7 @@ class DFlashMLAAttention(CacheLayer):
     def _write(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta) -> None:
         c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kl, self.dr], dim=-1)
         k_pe = apply_rope_interleaved(k_pe[:, None], cos, sin)
-        meta.attention.write(self.cache, meta, torch.cat([self.kv_a_layernorm(c)[:, None], k_pe], dim=-1))
+        meta.backend.write(self.cache, meta, torch.cat([self.kv_a_layernorm(c)[:, None], k_pe], dim=-1))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
         T = x.shape[0]
@@ -181,7 +181,7 @@ class DFlashMLAAttention(CacheLayer):
         w_kc, w_vc = self.kv_b_proj.weight.view(self.num_heads, self.dn + self.dv, self.kl).split([self.dn, self.dv], 1)
         q_lat = torch.einsum("thd,hdk->thk", q_nope, w_kc)
         # One "kv head" for all query heads: keys are whole latent rows, values their c part.
-        o_lat = meta.attention.attend_latent(torch.cat([q_lat, apply_rope_interleaved(q_pe, cos, sin)], dim=-1),
+        o_lat = meta.backend.attend_latent(torch.cat([q_lat, apply_rope_interleaved(q_pe, cos, sin)], dim=-1),
                                              self.cache, self.kl, meta, self.scale, self.causal, self.window)
         o = torch.einsum("thk,hvk->thv", o_lat, w_vc)
         return self.o_proj(o.reshape(T, self.num_heads * self.dv))

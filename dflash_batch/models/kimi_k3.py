@@ -146,11 +146,11 @@ class GatedMLA(nn.Module):
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(T, self.heads, self.dn + self.dr)
         latent = self.kv_a_proj_with_mqa(x)
         row = torch.cat([self.kv_a_layernorm(latent[:, :self.kl]), latent[:, self.kl:]], dim=-1)
-        meta.attention.write(self.cache, meta, row[:, None, :])
+        meta.backend.write(self.cache, meta, row[:, None, :])
         # kv_b_proj holds, per head, dn rows that expand the latent to K_nope and dv rows to V.
         w = self.kv_b_proj.weight.view(self.heads, self.dn + self.dv, self.kl)
         q_lat = torch.einsum("thd,hdk->thk", q[..., :self.dn], w[:, :self.dn])
-        o_lat = meta.attention.attend_latent(torch.cat([q_lat, q[..., self.dn:]], dim=-1), self.cache, self.kl,
+        o_lat = meta.backend.attend_latent(torch.cat([q_lat, q[..., self.dn:]], dim=-1), self.cache, self.kl,
                                              meta, self.scale, causal=True)
         o = torch.einsum("thk,hvk->thv", o_lat, w[:, self.dn:])
         o = o * torch.sigmoid(wide(self.g_proj(x))).view(T, self.heads, self.dv).to(o.dtype)

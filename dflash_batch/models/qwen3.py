@@ -54,7 +54,7 @@ class Qwen3Attention(nn.Module):
         weight = torch.cat([self.q_norm.weight.expand(H, -1), self.k_norm.weight.expand(K, -1)])
         qk = apply_rope(rms_norm(qkv[:, :H + K], weight, self.q_norm.eps), cos, sin)
         q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + K:]
-        attention = meta.attention
+        attention = meta.backend
         attention.write(self.k_cache, meta, k)
         attention.write(self.v_cache, meta, v)
         o = attention.attend(q, self.k_cache, self.v_cache, meta, self.scale, causal=True)

@@ -17,10 +17,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass
 
-# A head shorter than this is not shared: its rows would wait for the head's first row to
-# prefill it (one step) to save less than one small chunk each, and every head stops a chunk
-# and keeps a recurrent state. 64 tokens is also under any system prompt worth the name.
-MIN_HEAD_TOKENS = 64
+from dflash_batch.limits import MIN_HEAD_TOKENS
 
 
 @dataclass(frozen=True)
@@ -28,6 +25,7 @@ class SharedHead:
     index: int                # among this plan's heads
     length: int               # prompt tokens shared: at most the shortest member's prompt less one
     members: tuple[int, ...]  # indices of the prompts that start with it, in admission order
+    kind: Hashable = None     # what its members agree on besides tokens (shared_heads' kinds)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -135,6 +133,6 @@ def shared_heads(prompts: list[list[int]], kinds: list[Hashable] | None = None,
             admission.append(i)
         elif head_of[i][1][0] == i:  # its head's first member: the head's members come here
             length, members = head_of[i]
-            heads.append(SharedHead(len(heads), length, tuple(members)))
+            heads.append(SharedHead(len(heads), length, tuple(members), kinds[i]))
             admission += members
     return admission, heads
