@@ -58,18 +58,16 @@ def main() -> None:
     jobs = [("kimi-k3-dflash2.yaml", "gb300", 8), ("kimi-k3-dflash2-h200.yaml", "h200", 8),
             ("kimi-k3-dflash2-h100.yaml", "h100", 8)]
     plans = {name: plan_job(load_job(JOBS / name), JOBS, gpu_bytes(gpu), with_split=True) for name, gpu, _ in jobs}
-    print("memory plan per rank (dflash-batch plan JOB --gpu-memory GPU), GB; split: the MLA latents split across "
-          "the ranks (engine.context_parallel, on where the buckets need it):")
+    print("memory plan per rank (dflash-batch plan JOB), GB, at each job's reserve and engine.gpu_memory_headroom; "
+          "split: the MLA latents split across the ranks (engine.context_parallel, on where the buckets need it):")
     print(f"{'job':<28} {'gpu':>6} {'tp':>4} {'nodes':>5} {'weights':>8} {'bucket':>13} {'seqs':>5} {'split':>5} "
           f"{'total':>7}")
     for name, gpu, per_node in jobs:
         plan = plans[name]
-        split = plan.uses_split(load_job(JOBS / name).engine.context_parallel)
-        for i, need in enumerate(plan.buckets):
-            held = plan.split[i][0] if split else need
+        for need in plan.runs.needs:
             print(f"{name:<28} {gpu:>6} {plan.tp:>4} {-(-plan.tp // per_node):>5} "
                   f"{sum(plan.weights.values()) / GB:>8.1f} {need.bucket.name:>13} {need.bucket.max_num_seqs:>5} "
-                  f"{'yes' if split else 'no':>5} {(plan.base + held.total) / GB:>7.1f}")
+                  f"{'yes' if plan.uses_split else 'no':>5} {(plan.base + need.total) / GB:>7.1f}")
     per_token, calls = tp_bytes_per_token()
     print(f"\ntensor parallelism: {per_token / 1e6:.2f} MB all-reduced a token of a round, {calls} all-reduces a round")
     print(f"{'setup':<22} {'rows':>5} {'MB/rank':>8} {'NVLink ms':>9} {'IB ms':>6} {'latency ms':>10} "
@@ -79,7 +77,7 @@ def main() -> None:
         plan = plans[name]
         weights = sum(plan.weights.values())
         g = tp // nodes
-        for rows in (1, 16, plan.buckets[0].bucket.max_num_seqs):
+        for rows in (1, 16, plan.runs.needs[0].bucket.max_num_seqs):
             m = rows * BLOCK * per_token
             nvlink = 2 * (g - 1) / g * m / (NVLINK[gpu] * 1e9) * 1e3
             ib = 2 * (nodes - 1) / nodes * m / g / (IB * 1e9) * 1e3 if nodes > 1 else 0.0
@@ -92,13 +90,14 @@ def main() -> None:
                   f"{latency:>10.2f} {floor:>12.2f} {ep / 1e6:>10.1f} {ep_ib:>8.2f}")
 
     print("\ncontext parallelism: what the latent split adds a round, against the memory it frees "
-          "(plan at the job's TP; rows: the largest batch the split fits)")
+          "(plan at the job's TP, reserve and headroom; rows: the largest batch the split fits)")
     print(f"{'setup':<22} {'rows':>5} {'KB/token':>8} {'MB/rank':>8} {'NVLink ms':>9} {'IB ms':>6} {'latency ms':>10} "
           f"{'HBM floor ms':>12} {'freed MB/seq':>12} {'seqs w/o':>8} {'seqs with':>9} {'pays below ms':>13}")
     for label, gpu, tp, nodes, name in (("TP8, 1 GB300 node", "gb300", 8, 1, "kimi-k3-dflash2.yaml"),
                                         ("TP16, 2 H200 nodes", "h200", 16, 2, "kimi-k3-dflash2-h200.yaml")):
         plan = plans[name]  # at the job's TP, the one named here
-        need, (split, with_split) = plan.buckets[0], plan.split[0]
+        need, split = plan.whole.needs[0], plan.split.needs[0]
+        without, with_split = plan.whole.largest[0], plan.split.largest[0]
         freed = (need.caches - split.caches) / need.bucket.max_num_seqs
         per_token = cp_bytes_per_token(tp)
         g = tp // nodes
@@ -107,9 +106,9 @@ def main() -> None:
         ib = (nodes - 1) / nodes * m / g / (IB * 1e9) * 1e3 if nodes > 1 else 0.0
         latency = 3 * (MLA_LAYERS + DRAFT_LAYERS) * LATENCY_US["ib" if nodes > 1 else "nvlink"] / 1e3
         floor = sum(plan.weights.values()) / (HBM[gpu] * 1e9) * 1e3
-        pays = floor * (with_split / plan.largest[0] - 1)
+        pays = floor * (with_split / without - 1)
         print(f"{label:<22} {with_split:>5} {per_token / 1e3:>8.0f} {m * (g - 1) / g / 1e6:>8.0f} {nvlink:>9.2f} "
-              f"{ib:>6.2f} {latency:>10.2f} {floor:>12.2f} {freed / 1e6:>12.0f} {plan.largest[0]:>8} {with_split:>9} "
+              f"{ib:>6.2f} {latency:>10.2f} {floor:>12.2f} {freed / 1e6:>12.0f} {without:>8} {with_split:>9} "
               f"{pays:>13.1f}")
 
 

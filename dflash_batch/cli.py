@@ -369,15 +369,18 @@ def validate(job_file: str, no_inputs: bool) -> None:
               "job's engine.gpu_memory).")
 @click.option("--gpus-per-node", type=int, default=8, show_default=True)
 @click.option("--tensor-parallel", type=int, help="Plan at this many ranks (default: the job's).")
-@click.option("--reserve-gb", type=float, help="Memory no tensor shows (default: 6% of the GPU, at least 8 GB).")
+@click.option("--reserve-gb", type=float, help="Memory no tensor shows (default: 6% of the GPU, at least 8 GB); "
+              "the job's engine.gpu_memory_headroom is kept free beside it.")
 @click.option("--acc-len", type=float, default=4.6, show_default=True,
               help="Acceptance length for the bandwidth ceiling (the model card's MATH-500 figure).")
 def plan_command(job_file: str, gpu_memory: str | None, gpus_per_node: int, tensor_parallel: int | None,
                  reserve_gb: float | None, acc_len: float) -> None:
     """Memory per rank of JOB_FILE on a GPU, from its checkpoints' config.json alone (models built
-    on the meta device): weights, each bucket's caches and activations, the largest max_num_seqs
-    that fits, the smallest tensor-parallel size that fits. The plan is for a CUDA GPU with the gpu
-    extra installed, whatever this host has. Exits 1 when the job does not fit."""
+    on the meta device): weights, each bucket's caches and activations in the layout the job runs
+    (the MLA latents split where run and validate split them), its max_num_seqs beside the largest
+    that fits with the reserve and engine.gpu_memory_headroom kept free, the smallest
+    tensor-parallel size that fits. The plan is for a CUDA GPU with the gpu extra installed,
+    whatever this host has. Exits 1 when the job does not fit."""
     from dflash_batch.job import gpu_bytes
     from dflash_batch.sizing import gb, plan_job, smallest_tp
 
@@ -405,16 +408,12 @@ def plan_command(job_file: str, gpu_memory: str | None, gpus_per_node: int, tens
         click.echo(f"smallest tensor_parallel_size that fits one sequence a bucket: {least or 'none up to 64'}")
     except JobError as e:
         _fail(e)
-    setting = job.engine.context_parallel
-    split = ""
-    if plan.uses_split(setting):
-        why = "true" if setting else "absent, so on: the buckets as written need it"
-        split = f" with the MLA latents split (engine.context_parallel: {why})"
-    if not plan.fits_with(setting):
-        click.echo(f"{job_file}: does not fit at TP{plan.tp}{split} on a GPU of {gb(gpu)} GB (see 'NO' above)",
+    layout = f" {plan.layout()}" if plan.layout() else ""
+    if not plan.fits:
+        click.echo(f"{job_file}: does not fit at TP{plan.tp}{layout} on a GPU of {gb(gpu)} GB (see 'NO' above)",
                    err=True)
         sys.exit(1)
-    click.echo(f"{job_file}: fits{split}")
+    click.echo(f"{job_file}: fits{layout}")
 
 
 @main.command()

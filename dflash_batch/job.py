@@ -182,6 +182,10 @@ class EngineSpec(_Strict):
     gpu_memory: str | None = Field(
         None, description="The GPU each rank runs on (h100, h200, b200, gb300, or its memory in GB): "
         "validate and run refuse the job when its memory plan (dflash-batch plan) does not fit it.")
+    gpu_memory_headroom: float = Field(
+        0.0, ge=0.0, lt=1.0, description="A share of the GPU (0.03: 3%) the buckets leave free beyond the "
+        "reserve, for what a plan from config.json cannot see (workspaces past their defaults, NCCL, allocator "
+        "growth): validate, run and dflash-batch plan fit the buckets in what is left. Only with gpu_memory.")
 
     @field_validator("gpu_memory")
     @classmethod
@@ -197,6 +201,13 @@ class EngineSpec(_Strict):
                              "tokens is never shared; give 0 (no shared heads) or at least that")
         if not self.share_prompts and "shared_head_tokens" in self.model_fields_set:
             raise ValueError("shared_head_tokens is set but share_prompts is false: nothing is shared (drop one)")
+        return self
+
+    @model_validator(mode="after")
+    def _headroom_needs_a_gpu(self) -> EngineSpec:
+        if self.gpu_memory is None and self.gpu_memory_headroom:
+            raise ValueError("gpu_memory_headroom is set but gpu_memory is not: no GPU to keep it free on "
+                             "(set gpu_memory, or drop it)")
         return self
 
 
@@ -418,7 +429,7 @@ class Job(_Strict):
 # empty file through: it adds no row).
 TUNING: dict[str, set[str]] = {
     "engine": {"max_num_seqs", "max_num_batched_tokens", "share_prompts", "shared_head_tokens", "backend",
-               "context_parallel",
+               "context_parallel", "gpu_memory_headroom",
                "cuda_graphs", "compile",
                "cudagraph_capture_sizes", "cache_dir"},
     "input": {"workers", "allow_empty"},

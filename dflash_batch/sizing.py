@@ -11,8 +11,11 @@ calls a run makes. Activations are the
 bound of models/activations.py for a prefill chunk and for the round at the bucket's largest
 capture size; with CUDA graphs every captured round shares one pool, the largest round's.
 The reserve stands for what no tensor shows: the CUDA context, NCCL's buffers, the caching
-allocator's fragmentation. tests/test_sizing.py checks weights and caches to the byte against
-the CPU allocator on the tiny models, and the activations' bound against its peaks.
+allocator's fragmentation; beside it the job may keep a share of the GPU free
+(engine.gpu_memory_headroom) for what a plan from config.json cannot see. One inequality (`fits`)
+decides what fits, for the plan, run and validate (fit_job) and smallest_tp. tests/test_sizing.py
+checks weights and caches to the byte against the CPU allocator on the tiny models, and the
+activations' bound against its peaks.
 """
 
 from __future__ import annotations
@@ -86,71 +89,130 @@ class BucketNeed:
 
 
 @dataclass(frozen=True)
+class Layout:
+    """The buckets with the MLA latents whole on every rank (`ways` 1) or split `ways` ways across
+    them by token (engine.context_parallel): each bucket's needs at its max_num_seqs, the largest
+    max_num_seqs that fits, and on a GPU of known bandwidth the ceiling at that batch (None: not
+    even one sequence fits)."""
+
+    ways: int
+    needs: list[BucketNeed]
+    largest: list[int]
+    ceilings: list[Ceiling | None] | None = None
+
+    @property
+    def name(self) -> str:
+        return f"with the MLA latents split {self.ways} ways" if self.ways > 1 else "without the MLA latents split"
+
+
+@dataclass(frozen=True)
 class Plan:
     tp: int
     gpu: int
     weights: dict[str, int]      # by model and dtype held: "target weights bfloat16", ...
-    fixed: dict[str, int]        # workspace, reserve
-    buckets: list[BucketNeed]
-    largest: list[int]           # the largest max_num_seqs that fits, per bucket (0: not even one)
+    fixed: dict[str, int]        # workspace, reserve, headroom
+    whole: Layout                # the MLA latents (if any) whole on every rank
     notes: list[str]
-    # With the MLA latents split across the ranks (engine.context_parallel): each bucket's needs at
-    # its max_num_seqs and the largest that fits (None: the pair or TP size cannot split).
-    split: list[tuple[BucketNeed, int]] | None = None
-    # Per bucket, the bandwidth ceiling at the largest batch that fits: (without, with the split).
-    ceilings: list[tuple[Ceiling | None, Ceiling | None]] | None = None
+    split: Layout | None = None  # split across the ranks (None: not asked, or the pair or TP size cannot)
+    setting: bool | None = None  # engine.context_parallel (None: absent)
+    decides: bool = True         # with the setting absent, the plan decides the split (engine.gpu_memory set)
     acc_len: float = CARD_ACC_LEN
 
     @property
     def base(self) -> int:
-        return sum(self.weights.values()) + sum(self.fixed.values())
+        return held_besides_buckets(self.weights, self.fixed)
 
     def holds(self, need: BucketNeed) -> bool:
-        return self.base + need.total <= self.gpu
+        return fits(self.base, need, self.gpu)
+
+    def holds_all(self, layout: Layout) -> bool:
+        return all(map(self.holds, layout.needs))
+
+    @property
+    def uses_split(self) -> bool:
+        """Whether the job runs with the latents split (what run and validate do, sizing.fit_job):
+        as engine.context_parallel says, or where it is absent and engine.gpu_memory set, when the
+        buckets as written do not fit without it (the split costs two collectives a layer: it pays
+        where it holds the batch)."""
+        if self.split is None:
+            return False
+        return (self.decides and not self.holds_all(self.whole)) if self.setting is None else self.setting
+
+    @property
+    def runs(self) -> Layout:
+        """The layout the job runs."""
+        return self.split if self.uses_split else self.whole
 
     @property
     def fits(self) -> bool:
-        return all(map(self.holds, self.buckets))
+        """The buckets as written fit, in the layout the job runs."""
+        return self.holds_all(self.runs)
 
-    def uses_split(self, setting: bool | None) -> bool:
-        """Whether the job runs with the latents split, given engine.context_parallel: as it says
-        where the split can run, or where it is absent, when the buckets as written do not fit a
-        GPU without it (the split costs two collectives a layer: it pays where it holds the batch)."""
-        return self.split is not None and (not self.fits if setting is None else setting)
-
-    def fits_with(self, setting: bool | None) -> bool:
-        """The buckets as written fit, with the split where the job uses it."""
-        if not self.uses_split(setting):
-            return self.fits
-        return all(self.holds(need) for need, _ in self.split)
+    def layout(self) -> str:
+        """The layout the job runs and why ("": the latents cannot split, or the plan was not asked
+        and the job does not say)."""
+        if self.split is None and self.setting is not False:
+            return ""
+        if self.setting is not None:
+            why = f"engine.context_parallel: {str(self.setting).lower()}"
+        elif not self.decides:
+            why = "engine.context_parallel absent and engine.gpu_memory unset: off"
+        elif self.uses_split:
+            why = "engine.context_parallel absent, so on: the buckets as written need it"
+        else:
+            why = "engine.context_parallel absent, so off: the buckets as written fit without it"
+        return f"{self.runs.name} ({why})"
 
     def table(self) -> str:
-        lines = [*self.notes, f"per rank, TP{self.tp}, on a GPU of {gb(self.gpu)} GB:"]
+        """The plan in the layout the job runs, then each bucket in the other (where the latents can
+        split) and its bandwidth ceilings."""
+        layout = f", {self.layout()}" if self.layout() else ""
+        lines = [*self.notes, f"per rank, TP{self.tp}, on a GPU of {gb(self.gpu)} GB{layout}:"]
         lines += [f"  {name:<40} {size / GB:>8.2f} GB" for name, size in {**self.weights, **self.fixed}.items()]
         lines.append(f"  {'weights and fixed':<40} {self.base / GB:>8.2f} GB")
         if self.base > self.gpu:
             lines.append(f"  weights and fixed alone exceed the GPU's {gb(self.gpu)} GB: not one sequence fits")
-        head = (f"  {'bucket':<14} {'seqs':>5} {'caches':>8} {'batch':>7} {'prefill':>8} {'round':>8} "
-                f"{'total':>8} {'fits':>5} {'largest seqs':>12}")
-        lines.append(head + "   (GB; round: a CUDA-graph pool where graphs are on)")
-        for need, largest in zip(self.buckets, self.largest):
-            b = need.bucket
-            lines.append(f"  {b.name:<14} {b.max_num_seqs:>5} {need.caches / GB:>8.2f} {need.batch / GB:>7.3f} "
-                         f"{need.prefill / GB:>8.2f} {need.round / GB:>8.2f} {(self.base + need.total) / GB:>8.2f} "
-                         f"{'yes' if self.holds(need) else 'NO':>5} {largest:>12}")
+        lines.append(f"  {'bucket':<14} {'seqs':>5} {'largest':>7} {'fits':>5} {'caches':>8} {'batch':>7} "
+                     f"{'prefill':>8} {'round':>8} {'total':>8}   (seqs: max_num_seqs; largest: the most that fit; "
+                     "GB; round: a CUDA-graph pool where graphs are on)")
+        for need, largest in zip(self.runs.needs, self.runs.largest):
+            lines.append(f"  {need.bucket.name:<14} {need.bucket.max_num_seqs:>5} {largest:>7} "
+                         f"{'yes' if self.holds(need) else 'NO':>5} {need.caches / GB:>8.2f} {need.batch / GB:>7.3f} "
+                         f"{need.prefill / GB:>8.2f} {need.round / GB:>8.2f} {(self.base + need.total) / GB:>8.2f}")
             lines.append("    caches: " + _parts(need))
-        for i, need in enumerate(self.buckets):
-            lines.append(f"  bucket {need.bucket.name}:")
-            if self.split:
-                split, largest = self.split[i]
-                lines.append(f"    latents split {self.tp} ways (engine.context_parallel): caches "
-                             f"{split.caches / GB:.2f} at {split.bucket.max_num_seqs} seqs ({_parts(split)}), total "
-                             f"{(self.base + split.total) / GB:.2f}, fits {'yes' if self.holds(split) else 'NO'}; "
-                             f"largest seqs {largest} (without: {self.largest[i]})")
-            for label, c in zip(("without the split", "with the split"), self.ceilings[i] if self.ceilings else ()):
-                if c is not None:
-                    lines.append(f"    bandwidth ceiling, {label}: {c.describe(self.acc_len)}")
+        for i, need in enumerate(self.runs.needs):
+            if more := self._beside(i):
+                lines += [f"  bucket {need.bucket.name}:", *more]
         return "\n".join(lines)
+
+    def _beside(self, i: int) -> list[str]:
+        """Bucket i in the layout the job does not run (where there is one), and its ceilings."""
+        runs = self.runs
+        other = self.whole if runs is self.split else self.split
+        lines = []
+        if other is not None:
+            need = other.needs[i]
+            lines.append(f"    {other.name}: caches {need.caches / GB:.2f} at {need.bucket.max_num_seqs} seqs, total "
+                         f"{(self.base + need.total) / GB:.2f}, fits {'yes' if self.holds(need) else 'NO'}; "
+                         f"largest seqs {other.largest[i]}")
+        for each in (runs, other) if other else (runs,):
+            at = each.ceilings[i] if each.ceilings else None
+            label = f", {each.name}{' (as run)' if each is runs else ''}" if other else ""
+            if at is not None:
+                lines.append(f"    bandwidth ceiling{label}: {at.describe(self.acc_len)}")
+        return lines
+
+
+def held_besides_buckets(weights: dict[str, int], fixed: dict[str, int]) -> int:
+    """What a rank holds whatever its bucket: weights, the attention workspace, the reserve and
+    the headroom."""
+    return sum(weights.values()) + sum(fixed.values())
+
+
+def fits(base: int, need: BucketNeed, gpu: int) -> bool:
+    """Whether a bucket fits a GPU of `gpu` bytes beside `base` (held_besides_buckets): the one fit
+    test of the plan, fit_job and smallest_tp."""
+    return base + need.total <= gpu
 
 
 def _parts(need: BucketNeed) -> str:
@@ -219,9 +281,15 @@ class _Sizer:
         return why_no_latent_split(self.sized.model_copy(update={"model": model})) is None
 
     def fixed(self, gpu: int, reserve: int | None) -> dict[str, int]:
-        """What a rank holds besides weights and buckets: the attention workspace, the reserve."""
+        """What a rank holds besides weights and buckets: the attention workspace, the reserve, and
+        the headroom the job keeps free (engine.gpu_memory_headroom of the GPU)."""
+        share = self.job.engine.gpu_memory_headroom
         return {"attention workspace": FLASHINFER_WORKSPACE if self.setup.backend == "flashinfer" else 0,
-                "reserve (context, NCCL, fragmentation)": default_reserve(gpu) if reserve is None else reserve}
+                "reserve (context, NCCL, fragmentation)": default_reserve(gpu) if reserve is None else reserve,
+                f"headroom (gpu_memory_headroom {share:g})": round(share * gpu)}
+
+    def base(self, gpu: int, reserve: int | None) -> int:
+        return held_besides_buckets(self.weights(), self.fixed(gpu, reserve))
 
     def weights(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -255,8 +323,8 @@ class _Sizer:
         """What the live shared heads keep beside their pages: a sequence's recurrent state and
         the drafter's ring of one row, for each (engine/heads.py)."""
         state = sum(t.nbytes // t.shape[0] for t in self.target.state_pools()) if self.engine.recurrent else 0
-        rings, span = ring_rows(self.drafter, batch.ring, batch.scratch_state, self.engine.page_size, self.split)
-        return LIVE_HEADS * (state + sum(t.nbytes // t.shape[0] * span for t in rings))
+        rings = ring_rows(self.drafter, batch.ring, batch.scratch_state, self.engine.page_size, self.split)
+        return LIVE_HEADS * (state + sum(t.nbytes // t.shape[0] * rings.row_slots for t in rings.caches))
 
     def _grow(self, batch: DecodeBatch) -> None:
         """What the job's rows may ask for that the batch keeps for every row (the job's sampling,
@@ -333,32 +401,31 @@ def plan_job(job: Job, job_dir: Path, gpu: int, tp: int | None = None, reserve: 
              setup: EngineSetup | None = None, gpu_kind: str | None = None, acc_len: float = CARD_ACC_LEN,
              with_split: bool = False) -> Plan:
     """The job's memory per rank at `tp` ranks (default: the job's), and the largest max_num_seqs
-    per bucket that fits a GPU of `gpu` bytes; `with_split`: also with the MLA latents split
-    across the ranks, where the pair and TP size allow; on a known `gpu_kind` (HBM_TBPS), each
-    bucket's bandwidth ceiling at those batches. `setup`: the engine settings to size (default:
-    what a CUDA host with the gpu extra runs, GPU_HOST)."""
+    per bucket that fits a GPU of `gpu` bytes with `reserve` (default: default_reserve) and the
+    job's headroom kept free; `with_split`: also with the MLA latents split across the ranks, where
+    the pair and TP size allow; on a known `gpu_kind` (HBM_TBPS), each bucket's bandwidth ceiling
+    at those batches. `setup`: the engine settings to size (default: what a CUDA host with the gpu
+    extra runs, GPU_HOST)."""
     tp = job.model.tensor_parallel_size if tp is None else tp
     if tp < 1:
         raise JobError(f"a tensor-parallel size of {tp}: give 1 or more ranks")
     sizer = _Sizer(job, job_dir, tp, setup)
     weights, fixed = sizer.weights(), sizer.fixed(gpu, reserve)
-    base = sum(weights.values()) + sum(fixed.values())
-    buckets = plan_buckets(job)
-    def largest_of(s: _Sizer) -> list[int]:
-        return [_largest(lambda n, b=b: base + s.need(dataclasses.replace(b, max_num_seqs=n)).total <= gpu)
-                for b in buckets]
+    base, buckets = held_besides_buckets(weights, fixed), plan_buckets(job)
 
-    largest = largest_of(sizer)
-    needs = [sizer.need(b) for b in buckets]
-    splits = with_split and sizer.can_split()
-    split_sizer = _Sizer(job, job_dir, tp, sizer.setup, latent_split=True) if splits else None
-    split = list(zip([split_sizer.need(b) for b in buckets], largest_of(split_sizer))) if split_sizer else None
-    ceilings = None
-    if gpu_kind in HBM_TBPS:
-        ceilings = [(_ceiling(sizer, weights, b, n, gpu_kind, acc_len),
-                     _ceiling(split_sizer, weights, b, split[i][1], gpu_kind, acc_len) if split else None)
-                    for i, (b, n) in enumerate(zip(buckets, largest))]
-    return Plan(tp, gpu, weights, fixed, needs, largest, sizer.notes, split, ceilings, acc_len)
+    def layout(s: _Sizer) -> Layout:
+        largest = [_largest(lambda n, b=b: fits(base, s.need(dataclasses.replace(b, max_num_seqs=n)), gpu))
+                   for b in buckets]
+        ceilings = None
+        if gpu_kind in HBM_TBPS:
+            ceilings = [_ceiling(s, weights, b, n, gpu_kind, acc_len) for b, n in zip(buckets, largest)]
+        return Layout(s.split, [s.need(b) for b in buckets], largest, ceilings)
+
+    split = None
+    if with_split and sizer.can_split():
+        split = layout(_Sizer(job, job_dir, tp, sizer.setup, latent_split=True))
+    return Plan(tp, gpu, weights, fixed, layout(sizer), sizer.notes, split, job.engine.context_parallel,
+                job.engine.gpu_memory is not None, acc_len)
 
 
 def _ceiling(sizer: _Sizer, weights: dict[str, int], bucket: Bucket, seqs: int, kind: str,
@@ -403,8 +470,8 @@ def smallest_tp(job: Job, job_dir: Path, gpu: int, reserve: int | None = None, a
             continue
         buckets = [b if as_written else dataclasses.replace(b, max_num_seqs=1) for b in plan_buckets(job)]
         for sizer in sizers:
-            base = sum(sizer.weights().values()) + sum(sizer.fixed(gpu, reserve).values())
-            if all(base + sizer.need(b).total <= gpu for b in buckets):
+            base = sizer.base(gpu, reserve)
+            if all(fits(base, sizer.need(b), gpu) for b in buckets):
                 return tp
     return None
 
@@ -413,26 +480,24 @@ def fit_job(job: Job, job_dir: Path) -> Job:
     """The job as it runs where engine.gpu_memory is set: engine.context_parallel decided where it
     is absent (Plan.uses_split), and refused, with the plan's numbers and what would make it fit
     (fewer sequences where one of every bucket fits, more ranks where more would), if its buckets
-    do not fit. Without engine.gpu_memory: as written (the split off unless asked)."""
+    do not fit with the reserve and engine.gpu_memory_headroom kept free. Without
+    engine.gpu_memory: as written (the split off unless asked)."""
     if job.engine.gpu_memory is None:
         return job
     gpu = gpu_bytes(job.engine.gpu_memory)
     setting = job.engine.context_parallel
     plan = plan_job(job, job_dir, gpu, with_split=setting is not False)
     if setting is None:
-        engine = job.engine.model_copy(update={"context_parallel": plan.uses_split(None)})
+        engine = job.engine.model_copy(update={"context_parallel": plan.uses_split})
         job = job.model_copy(update={"engine": engine})
-    if plan.fits_with(setting):
+    if plan.fits:
         return job
-    split = plan.uses_split(setting)
-    largest = [n for _, n in plan.split] if split else plan.largest
-    where = "the 'latents split' lines' 'largest seqs'" if split else "'largest seqs'"
-    ways = [f"lower the buckets' max_num_seqs to {where}"] if all(largest) else []
+    ways = ["lower the buckets' max_num_seqs to their 'largest'"] if all(plan.runs.largest) else []
     if tp := smallest_tp(job, job_dir, gpu, above=plan.tp, as_written=True):
         ways.append(f"use more ranks: tensor_parallel_size {tp} fits the job as written")
     elif not ways and (tp := smallest_tp(job, job_dir, gpu, above=plan.tp)):
         ways.append(f"use more ranks: tensor_parallel_size {tp} fits one sequence a bucket")
     advice = ", or ".join(ways) or "no tensor_parallel_size up to 64 fits one sequence a bucket"
-    split = " with the MLA latents split" if split else ""
+    split = " with the MLA latents split" if plan.uses_split else ""
     raise JobError(f"engine.gpu_memory {job.engine.gpu_memory}: the job does not fit at TP{plan.tp}{split} "
                    f"({advice}):\n" + plan.table())

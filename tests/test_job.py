@@ -86,6 +86,12 @@ BAD = [
     ("a head too short to share", with_("engine.shared_head_tokens", 32), "a head shorter than 64 tokens"),
     ("head length without sharing", with_("engine", {"share_prompts": False, "shared_head_tokens": 4096}),
      "shared_head_tokens is set but share_prompts is false"),
+    ("headroom without a GPU", with_("engine.gpu_memory_headroom", 0.03),
+     "gpu_memory_headroom is set but gpu_memory is not"),
+    ("headroom of the whole GPU", with_("engine", {"gpu_memory": "h200", "gpu_memory_headroom": 1.0}),
+     "engine.gpu_memory_headroom: Input should be less than 1"),
+    ("negative headroom", with_("engine", {"gpu_memory": "h200", "gpu_memory_headroom": -0.03}),
+     "engine.gpu_memory_headroom: Input should be greater than or equal to 0"),
 ]
 
 
@@ -114,6 +120,9 @@ def test_config_hash_ignores_tuning_but_not_sampling():
     assert parse_job(with_("engine.max_num_seqs", 7)).output_hash() == base.output_hash()
     assert parse_job(with_("output.dir", "elsewhere")).output_hash() == base.output_hash()
     assert parse_job(with_("input.workers", 5)).output_hash() == base.output_hash()
+    on_h200 = parse_job(with_("engine.gpu_memory", "h200"))
+    headroom = parse_job(with_("engine", {"gpu_memory": "h200", "gpu_memory_headroom": 0.03}))
+    assert headroom.output_hash() == on_h200.output_hash()
     assert parse_job(with_("sampling.temperature", 0.5)).output_hash() != base.output_hash()
     assert parse_job(with_("model.drafter", "d")).output_hash() != base.output_hash()
 

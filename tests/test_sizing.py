@@ -30,7 +30,9 @@ from dflash_batch.backends.torch_attention import TORCH, TorchAttention
 from dflash_batch.build import EngineSetup
 from dflash_batch.cli import main
 from dflash_batch.engine import choice
+from dflash_batch.engine import heads as heads_module
 from dflash_batch.engine.engine import Engine, runtime_tensors
+from dflash_batch.engine.heads import LIVE_HEADS
 from dflash_batch.engine.request import Request, SamplingParams
 from dflash_batch.job import JobError, gpu_bytes, load_job
 from dflash_batch.kernels import _triton, kda, moe_mxfp4, ops
@@ -39,7 +41,7 @@ from dflash_batch.models.loader import load_model
 from dflash_batch.plan.buckets import plan_buckets
 from dflash_batch.plan.ceiling import ceiling, experts_touched
 from dflash_batch.plan.memory import planned_expert_bytes
-from dflash_batch.sizing import GB, default_reserve, fit_job, plan_job
+from dflash_batch.sizing import GB, fit_job, plan_job, smallest_tp
 from dflash_batch.testing.kimi import make_kimi_checkpoint
 from dflash_batch.testing.kimi_pair import make_kimi_pair
 from tests.engine_util import load_pair, make_drafter, make_target
@@ -146,7 +148,7 @@ def test_caches_and_state_are_the_bytes_the_engine_allocates(jobs, family, tp, f
     target, drafter = load_pair(Path(job.model.target), Path(job.model.drafter))
     engine = cpu_engine(job, target, drafter)
     held = previous = 0
-    for need in plan.buckets:
+    for need in plan.whole.needs:
         # A row asking for logprobs and penalties makes the batch grow (DecodeBatch.put); the plan grows it ahead.
         _, allocated, peak = allocator(lambda: engine.allocate(need.bucket).allocate_for(False, features, features))
         held += allocated
@@ -155,35 +157,102 @@ def test_caches_and_state_are_the_bytes_the_engine_allocates(jobs, family, tp, f
         if previous:  # the old bucket's caches go as the new one's come, not after
             assert held - allocated + peak < previous + need.caches + need.batch, need.bucket.name
         previous = held
-    assert not plan.buckets[2].bucket.speculation and not runtime_tensors([drafter])  # its caches freed
-    assert plan.buckets[0].caches != plan.buckets[1].caches  # more sequences, longer rows: not a constant
+    assert not plan.whole.needs[2].bucket.speculation and not runtime_tensors([drafter])  # its caches freed
+    assert plan.whole.needs[0].caches != plan.whole.needs[1].caches  # more sequences, longer rows: not a constant
+
+
+def kept_bytes(monkeypatch) -> list[int]:
+    """The bytes of each head's kept state, as the engine keeps it (engine/heads.py's Kept: the
+    target's recurrent state and the drafter's ring rows), appended as heads are kept."""
+    seen, kept = [], heads_module.Kept
+
+    def spy(state, rings, *rest):
+        seen.append(sum(t.nbytes for t in [*(state or []), *rings]))
+        return kept(state, rings, *rest)
+
+    monkeypatch.setattr(heads_module, "Kept", spy)
+    return seen
+
+
+def share_a_head(engine: Engine, bucket) -> None:
+    """Three rows whose prompts share a 70-token head (one head kept, two members enter it)."""
+    head = torch.randint(0, engine.vocab_size, (70,), generator=torch.Generator().manual_seed(1)).tolist()
+    reqs = [Request((str(i), 0), head + [i + 1], SamplingParams(max_new_tokens=4)) for i in range(3)]
+    list(engine.generate(reqs, bucket))
 
 
 def test_kept_heads_are_the_bytes_the_heads_keep(jobs, tmp_path, monkeypatch):
     """The plan's "kept head states" are what two heads keep at their ends: the Kimi-K3's KDA
     states (conv windows and delta-rule states of a sequence) and the drafter's ring of a row,
     as the engine keeps them (engine/heads.py), read off the heads it keeps; Qwen3 keeps none."""
-    from dflash_batch.engine.heads import LIVE_HEADS, HeadPool
-
-    keep, seen = HeadPool.keep, []
-
-    def spy(self, leader, *args):
-        keep(self, leader, *args)
-        kept = self.live[0].kept
-        seen.append(sum(t.nbytes for t in [*(kept.state or []), *kept.rings]))
-
-    monkeypatch.setattr(HeadPool, "keep", spy)
+    seen = kept_bytes(monkeypatch)
     for family, kept_something in (("kimi", True), ("qwen3", False)):
         job = jobs[family]
-        need = plan_job(job, tmp_path, 80 * GB, setup=CPU).buckets[0]
+        need = plan_job(job, tmp_path, GB, setup=CPU).whole.needs[0]  # a GPU nothing fits: no search
         target, drafter = load_pair(Path(job.model.target), Path(job.model.drafter))
-        engine = cpu_engine(job, target, drafter)
         seen.clear()
-        head = torch.randint(0, target.vocab_size, (70,), generator=torch.Generator().manual_seed(1)).tolist()
-        reqs = [Request((str(i), 0), head + [i + 1], SamplingParams(max_new_tokens=4)) for i in range(3)]
-        list(engine.generate(reqs, need.bucket))
+        share_a_head(cpu_engine(job, target, drafter), need.bucket)
         assert len(seen) == 1 and (seen[0] > 0) == kept_something, family
         assert need.parts.get("kept head states", 0) == LIVE_HEADS * seen[0], family
+
+
+class _MirroredRanks:
+    """torch.distributed as parallel.py calls it, for rank 0 of two in one process, rank 1 holding
+    what rank 0 holds: each collective's shapes, not its sums (what a head keeps is sized by
+    shapes alone)."""
+
+    ReduceOp = torch.distributed.ReduceOp
+
+    @staticmethod
+    def is_available() -> bool:
+        return False  # parallel.rank(): 0
+
+    @staticmethod
+    def get_backend() -> str:
+        return "gloo"
+
+    @staticmethod
+    def all_reduce(x: torch.Tensor, op=None) -> None:
+        pass
+
+    @staticmethod
+    def all_gather(parts: list[torch.Tensor], x: torch.Tensor) -> None:
+        for part in parts:
+            part.copy_(x)
+
+    @staticmethod
+    def all_gather_into_tensor(out: torch.Tensor, x: torch.Tensor) -> None:
+        out.view(-1, *x.shape).copy_(x)
+
+    @staticmethod
+    def broadcast(t: torch.Tensor, src: int) -> None:
+        pass
+
+    @staticmethod
+    def barrier() -> None:
+        pass
+
+
+def test_the_split_plan_keeps_the_bytes_a_split_rank_keeps(jobs, tmp_path, monkeypatch):
+    """With the MLA latents split (the Kimi job at TP2), the split plan's "kept head states" are
+    what rank 0 of an engine whose backend splits them keeps at two heads' ends: its KDA heads'
+    states and its share of the drafter's ring rows (every other position of a row's ring span),
+    read off the head it keeps, the second rank's collectives stood in (_MirroredRanks); less than
+    the whole latents' plan keeps, by the rings' other half."""
+    job = jobs["kimi"]
+    plan = plan_job(job, tmp_path, GB, tp=2, setup=CPU, with_split=True)
+    need, whole = plan.split.needs[0], plan.whole.needs[0]
+    monkeypatch.setattr(parallel, "world_size", lambda: 2)
+    monkeypatch.setattr(parallel, "dist", _MirroredRanks)
+    target, drafter = load_pair(Path(job.model.target), Path(job.model.drafter))
+    engine = Engine(target, drafter, page_size=job.engine.page_size, device="cpu",
+                    max_num_batched_tokens=job.engine.max_num_batched_tokens,
+                    attention=TorchAttention(LatentSplit(2, 0)), capture_sizes=CPU.capture_sizes)
+    seen = kept_bytes(monkeypatch)
+    share_a_head(engine, need.bucket)
+    assert len(seen) == 1
+    assert need.parts["kept head states"] == LIVE_HEADS * seen[0]
+    assert need.parts["kept head states"] < whole.parts["kept head states"]
 
 
 def _requests(bucket, n: int, vocab: int, temperature: float) -> list[Request]:
@@ -225,7 +294,7 @@ def _greedy_then_sampled(job, tmp_path) -> dict[bool, tuple[int, int]]:
             job = job.model_copy(update={"sampling": job.sampling.model_copy(update={"temperature": 1.0})})
         plan = plan_job(job, tmp_path, 80 * GB, setup=CPU)
         target, drafter = load_pair(Path(job.model.target), Path(job.model.drafter))
-        need, bucket = plan.buckets[0], plan_buckets(job)[0]
+        need, bucket = plan.whole.needs[0], plan_buckets(job)[0]
         engine = cpu_engine(job, target, drafter)
         engine.allocate(bucket)  # the bucket's caches and state, which generate keeps: only activations are measured
         requests = _requests(bucket, bucket.max_num_seqs, target.vocab_size, job.sampling.temperature)
@@ -295,7 +364,7 @@ def test_an_auto_bucket_holds_the_one_row_batch_it_switches_to(jobs, family, tmp
         "sampling": job.sampling.model_copy(update={"logprobs": 2, "repetition_penalty": 1.1}),
         "buckets": [job.buckets[0].model_copy(update={"speculation": "auto"}), *job.buckets[1:]]})
     plan = plan_job(job, tmp_path, 80 * GB, setup=CPU)
-    need, bucket = plan.buckets[0], plan_buckets(job)[0]
+    need, bucket = plan.whole.needs[0], plan_buckets(job)[0]
     target, drafter = load_pair(Path(job.model.target), Path(job.model.drafter))
     log = []
     engine = Engine(target, drafter, page_size=job.engine.page_size,
@@ -318,55 +387,67 @@ def test_an_auto_bucket_holds_the_one_row_batch_it_switches_to(jobs, family, tmp
     assert held == need.caches + need.batch - shrunk - need.parts.get("kept head states", 0)
 
 
-@pytest.mark.slow
-def test_a_gpu_of_exactly_a_bucket_s_total_fits_its_max_num_seqs_and_not_one_more(jobs, tmp_path):
-    job = jobs["kimi"]
-    plan = plan_job(job, tmp_path, 80 * GB, setup=CPU)
-    need, reserve = plan.buckets[0], plan.fixed["reserve (context, NCCL, fragmentation)"]
-    exact = plan_job(job, tmp_path, plan.base + need.total, setup=CPU, reserve=reserve)
-    assert exact.largest[0] == need.bucket.max_num_seqs
-    one_more = job.model_copy(update={"buckets": [b.model_copy(update={"max_num_seqs": b.max_num_seqs + 1})
-                                                  for b in job.buckets]})
-    assert plan_job(one_more, tmp_path, 80 * GB, setup=CPU).buckets[0].total > need.total
+def test_a_gpu_of_the_plans_sum_holds_the_bucket_and_a_byte_less_does_not(jobs, tmp_path):
+    """The fit inequality (sizing.fits) wherever the plan asks it: a GPU whose reserve leaves
+    exactly the weights, the attention workspace, the headroom (engine.gpu_memory_headroom of the
+    GPU) and the tightest bucket's total holds the job: the plan fits, that bucket's largest is its
+    max_num_seqs, and smallest_tp finds it fits as written at one rank; a byte more of reserve and
+    none of them holds."""
+    share, gpu = 0.25, 80 * GB
+    engine = jobs["kimi"].engine.model_copy(update={"gpu_memory": "80", "gpu_memory_headroom": share})
+    job = jobs["kimi"].model_copy(update={"engine": engine})
+    sized = plan_job(job, tmp_path, GB)  # needs and weights do not depend on the GPU; nothing fits 1 GB: no search
+    tightest = max(range(len(sized.whole.needs)), key=lambda i: sized.whole.needs[i].total)
+    need, headroom = sized.whole.needs[tightest], gpu // 4
+    reserve = gpu - sum(sized.weights.values()) - sized.fixed["attention workspace"] - headroom - need.total
+    for more, holds in ((0, True), (1, False)):
+        plan = plan_job(job, tmp_path, gpu, reserve=reserve + more)
+        assert plan.fixed[f"headroom (gpu_memory_headroom {share:g})"] == headroom
+        assert plan.fits is holds and (plan.whole.largest[tightest] == need.bucket.max_num_seqs) is holds, more
+        assert (smallest_tp(job, tmp_path, gpu, reserve + more, as_written=True) == 1) is holds, more
 
 
 JOBS = Path(__file__).resolve().parent.parent / "jobs"
 
 
-# What each production job keeps free beyond the reserve, as a share of its GPU: room for what the
-# plan cannot see from a CPU (flashinfer's and cuBLAS's workspaces beyond their defaults, NCCL at
-# 16 and 32 ranks, allocator growth over a long run). The job files say so, with the command.
+# What each production job keeps free beyond the reserve, as a share of its GPU
+# (engine.gpu_memory_headroom): room for what the plan cannot see from a CPU (flashinfer's and
+# cuBLAS's workspaces beyond their defaults, NCCL at 16 and 32 ranks, allocator growth over a long run).
 HEADROOM = 0.03
 
 
-@pytest.mark.parametrize("name, gpu, split", [
-    ("kimi-k3-dflash2.yaml", "gb300", True), ("kimi-k3-dflash2-128k.yaml", "gb300", True),
-    ("kimi-k3-dflash2-h200.yaml", "h200", True),
+@pytest.mark.parametrize("name, split", [
+    ("kimi-k3-dflash2.yaml", True), ("kimi-k3-dflash2-128k.yaml", True), ("kimi-k3-dflash2-h200.yaml", True),
     # TP32 on page_size 16 cannot split; at page_size 32 the split would hold fewer (the gathered
-    # heads of 32 ranks outweigh the latents it frees): `plan` shows both
-    ("kimi-k3-dflash2-h100.yaml", "h100", False)])
-def test_every_production_job_keeps_its_headroom(name, gpu, split):
-    """With HEADROOM of the GPU added to the reserve (`dflash-batch plan JOB --reserve-gb R`, as the
-    job file says), every bucket fits and its max_num_seqs is the largest that does: with the MLA
-    latents split where the job file leaves engine.context_parallel to the plan and the buckets as
-    written need the split (each more than fits without it), without it elsewhere."""
-    size = gpu_bytes(gpu)
-    reserve = (default_reserve(size) + HEADROOM * size) / GB
-    result = CliRunner().invoke(main, ["plan", str(JOBS / name), "--gpu-memory", gpu, "--reserve-gb", f"{reserve:.2f}"])
+    # heads of 32 ranks outweigh the latents it frees): `plan --tensor-parallel` shows both
+    ("kimi-k3-dflash2-h100.yaml", False)])
+def test_every_production_job_keeps_its_headroom(name, split):
+    """Each job file keeps HEADROOM of its GPU free beyond the reserve as a setting (no plan command
+    with a reserve in a comment), and `dflash-batch plan JOB` reads it: its table, in the layout the
+    job runs, has every bucket fit at a max_num_seqs that is the largest that does; the MLA
+    latents split where the job leaves engine.context_parallel to the plan and the buckets as
+    written need it (each more than fits without: the 'without' lines), whole elsewhere; and the
+    verdict names the table's layout."""
+    job, text = load_job(JOBS / name), (JOBS / name).read_text()
+    assert job.engine.gpu_memory_headroom == HEADROOM and "--reserve-gb" not in text
+    result = CliRunner().invoke(main, ["plan", str(JOBS / name)])
     assert result.exit_code == 0, result.output
     out = result.output
-    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit() and "-" in line]
-    splits = re.findall(r"at (\d+) seqs .*, fits (yes|NO); largest seqs (\d+) \(without: (\d+)\)", out)
-    assert rows and len(splits) == (len(rows) if split else 0), out
+    kept = HEADROOM * gpu_bytes(job.engine.gpu_memory) / GB
+    assert re.search(rf"\n  headroom \(gpu_memory_headroom {HEADROOM:g}\) +{kept:.2f} GB\n", out), out
+    rows = [line.split() for line in out.splitlines() if re.match(r"  \d+-\d+ ", line)]
+    assert len(rows) == len(job.buckets) and all(seqs == largest and fits == "yes"
+                                                 for _, seqs, largest, fits, *_ in rows), out
+    without = re.findall(r"without the MLA latents split: caches [\d.]+ at (\d+) seqs, total [\d.]+, fits (yes|NO); "
+                         r"largest seqs (\d+)", out)
     if split:
-        assert out.rstrip().endswith("fits with the MLA latents split (engine.context_parallel: absent, so on: the "
-                                     "buckets as written need it)")
-        assert all(row[1] == largest and fits == "yes" and int(largest) > int(without)
-                   for row, (_, fits, largest, without) in zip(rows, splits)), out
+        layout = (f"with the MLA latents split {job.model.tensor_parallel_size} ways (engine.context_parallel "
+                  "absent, so on: the buckets as written need it)")
+        assert f" GB, {layout}:\n" in out and out.rstrip().endswith(f": fits {layout}"), out
+        assert len(without) == len(rows) and all(fits == "NO" and int(largest) < int(seqs)
+                                                 for seqs, fits, largest in without), out
     else:
-        assert out.rstrip().endswith("fits")
-        assert all(row[1] == row[-1] for row in rows), out  # seqs == largest seqs
-    assert f"--reserve-gb {reserve:.2f}" in (JOBS / name).read_text()
+        assert not without and out.rstrip().endswith(": fits"), out
 
 
 def test_the_plan_does_not_depend_on_what_the_planning_host_has(monkeypatch):
@@ -412,18 +493,19 @@ def test_plan_refuses_arguments_out_of_range_in_one_line(args, error):
     assert len(result.output.splitlines()) == 1 and result.output.startswith(f"error: {error}"), result.output
 
 
-@pytest.mark.parametrize("change, advice", [
+@pytest.mark.parametrize("change, advice, layout", [
     # the latents split (engine.context_parallel absent: on, the buckets need it), more sequences than it holds
-    (dict(max_num_seqs=300), " with the MLA latents split (lower the buckets' max_num_seqs to the 'latents split' "
-                             "lines' 'largest seqs'):"),
+    (dict(max_num_seqs=300), " with the MLA latents split (lower the buckets' max_num_seqs to their 'largest'):",
+     "with the MLA latents split 16 ways (engine.context_parallel absent, so on: the buckets as written need it)"),
     # without the split, the first bucket as the job was before it: TP32 holds it
-    (dict(max_num_seqs=200, context_parallel=False, second=14),
-     " (lower the buckets' max_num_seqs to 'largest seqs', or use more ranks: tensor_parallel_size 32 fits the job "
-     "as written):"),
+    (dict(max_num_seqs=200, context_parallel=False, second=13),
+     " (lower the buckets' max_num_seqs to their 'largest', or use more ranks: tensor_parallel_size 32 fits the job "
+     "as written):", "without the MLA latents split (engine.context_parallel: false)"),
 ], ids=["split", "not split"])
-def test_validate_says_what_would_make_a_job_fit(tmp_path, change, advice):
+def test_validate_says_what_would_make_a_job_fit(tmp_path, change, advice, layout):
     """The H200 job (TP16) with more sequences than fit its first bucket: fewer sequences, or the
-    fewest ranks above its own at which it fits as written (not its own 16)."""
+    fewest ranks above its own at which it fits as written (not its own 16); the table is the
+    layout the job runs, the bucket NO beside the largest that fits."""
     (tmp_path / "models").symlink_to(JOBS / "models")  # the shipped configs beside the job file
     doc = yaml.safe_load((JOBS / "kimi-k3-dflash2-h200.yaml").read_text())
     doc["buckets"][0]["max_num_seqs"] = change["max_num_seqs"]
@@ -435,6 +517,23 @@ def test_validate_says_what_would_make_a_job_fit(tmp_path, change, advice):
     result = CliRunner().invoke(main, ["validate", "--no-inputs", str(tmp_path / "job.yaml")])
     assert result.exit_code == 2, result.output
     assert f"error: engine.gpu_memory h200: the job does not fit at TP16{advice}" in result.output
+    assert f"per rank, TP16, on a GPU of 141 GB, {layout}:" in result.output
+    row = re.search(rf"\n  0-8192 +{change['max_num_seqs']} +(\d+) +NO ", result.output)
+    assert row and 0 < int(row[1]) < change["max_num_seqs"], result.output
+
+
+def test_validate_keeps_the_jobs_headroom_free(tmp_path):
+    """validate (sizing.fit_job) fits the buckets with engine.gpu_memory_headroom kept free: the
+    H200 job with a sequence more in its first bucket than the headroom leaves room for is
+    refused, and fits on the same GPU with no headroom."""
+    (tmp_path / "models").symlink_to(JOBS / "models")  # the shipped configs beside the job file
+    doc = yaml.safe_load((JOBS / "kimi-k3-dflash2-h200.yaml").read_text())
+    doc["buckets"][0]["max_num_seqs"] += 1
+    for headroom, code in ((HEADROOM, 2), (0.0, 0)):
+        doc["engine"]["gpu_memory_headroom"] = headroom
+        (tmp_path / "job.yaml").write_text(yaml.safe_dump(doc))
+        result = CliRunner().invoke(main, ["validate", "--no-inputs", str(tmp_path / "job.yaml")])
+        assert result.exit_code == code, result.output
 
 
 def test_the_h200_job_is_refused_at_tp8_with_the_numbers():
@@ -483,7 +582,7 @@ def test_the_plan_shows_each_buckets_caches_by_component():
         config["kv_lora_rank"] + config["qk_rope_head_dim"]) * 2
     assert per_slot == 27_648
     plan = plan_job(job, JOBS, 141 * GB, tp=16)
-    for need in plan.buckets:
+    for need in plan.whole.needs:
         assert set(need.parts) == {"target MLA latent", "target KDA state", "target KDA verify staging",
                                    "drafter latent and rings", "kept head states"}
         slots, rest = divmod(need.parts["target MLA latent"], per_slot)
@@ -505,7 +604,8 @@ def test_the_split_caches_are_the_bytes_a_split_engine_allocates(jobs, tmp_path,
                     max_num_batched_tokens=job.engine.max_num_batched_tokens,
                     attention=TorchAttention(LatentSplit(2, 0)), capture_sizes=CPU.capture_sizes)
     held = 0
-    for whole, (split, largest) in zip(plan.buckets, plan.split):
+    for whole, split, largest, whole_largest in zip(plan.whole.needs, plan.split.needs, plan.split.largest,
+                                                    plan.whole.largest):
         assert split.parts["target MLA latent"] * 2 == whole.parts["target MLA latent"]
         if whole.bucket.speculation:
             assert split.parts["drafter latent and rings"] * 2 == whole.parts["drafter latent and rings"]
@@ -513,22 +613,27 @@ def test_the_split_caches_are_the_bytes_a_split_engine_allocates(jobs, tmp_path,
         _, allocated, _ = allocator(lambda: engine.allocate(split.bucket))
         held += allocated  # less the previous bucket's, freed
         assert held == split.caches + split.batch - split.parts.get("kept head states", 0), split.bucket.name
-        assert largest >= plan.largest[plan.buckets.index(whole)]
+        assert largest >= whole_largest
 
 
 def test_the_production_plans_hold_more_sequences_with_the_split_and_show_the_ceiling():
-    """Issue 39's figures: with the latents split, the 8k bucket holds at least 4x the 56 sequences of
-    the H200 job at TP16 and 3x the 161 of the GB300 job at TP8; the table shows the split and the
-    bandwidth ceilings."""
+    """Issue 39's figures, at the default reserve and no headroom as issue 39 sized them: with the
+    latents split, the 8k bucket holds at least 4x the 56 sequences of the H200 job at TP16 and 3x
+    the 161 of the GB300 job at TP8; the table shows the split, as run, and both bandwidth
+    ceilings, each at the batch its layout fits."""
     for name, gpu, tp, at_least in (("kimi-k3-dflash2-h200.yaml", "h200", 16, 4 * 56),
                                     ("kimi-k3-dflash2.yaml", "gb300", 8, 3 * 161)):
-        plan = plan_job(load_job(JOBS / name), JOBS, gpu_bytes(gpu), tp=tp, gpu_kind=gpu, with_split=True)
-        assert plan.split[0][1] >= at_least, name
+        job = load_job(JOBS / name)
+        job = job.model_copy(update={"engine": job.engine.model_copy(update={"gpu_memory_headroom": 0.0})})
+        plan = plan_job(job, JOBS, gpu_bytes(gpu), tp=tp, gpu_kind=gpu, with_split=True)
+        assert plan.split.largest[0] >= at_least, name
         table = plan.table()
-        assert f"latents split {tp} ways (engine.context_parallel)" in table
-        assert "bandwidth ceiling, with the split" in table and "bandwidth ceiling, without the split" in table
-        without, with_split = plan.ceilings[0]
-        assert with_split.seqs == plan.split[0][1] and with_split.tokens_per_s > 2.5 * without.tokens_per_s
+        assert f"with the MLA latents split {tp} ways (engine.context_parallel absent, so on" in table
+        assert f"bandwidth ceiling, with the MLA latents split {tp} ways (as run): " in table
+        assert "bandwidth ceiling, without the MLA latents split: " in table
+        without, with_split = plan.whole.ceilings[0], plan.split.ceilings[0]
+        assert with_split.seqs == plan.split.largest[0] and without.seqs == plan.whole.largest[0]
+        assert with_split.tokens_per_s > 2.5 * without.tokens_per_s
 
 
 def test_experts_touched_is_the_share_uniform_routing_touches():
@@ -561,11 +666,12 @@ def test_the_split_is_on_by_default_where_the_buckets_need_it():
         assert job.engine.context_parallel is None
         assert fit_job(job, JOBS).engine.context_parallel is split, name
     h200 = load_job(JOBS / "kimi-k3-dflash2-h200.yaml")
+    whole = plan_job(h200, JOBS, gpu_bytes("h200")).whole.largest  # at the job's reserve and headroom
     unsplit = h200.model_copy(update={"buckets": [b.model_copy(update={"max_num_seqs": n})
-                                                  for b, n in zip(h200.buckets, (48, 14))]})
+                                                  for b, n in zip(h200.buckets, whole)]})
     assert fit_job(unsplit, JOBS).engine.context_parallel is False
     forced = unsplit.model_copy(update={"engine": unsplit.engine.model_copy(update={"context_parallel": True})})
     assert fit_job(forced, JOBS).engine.context_parallel is True
     off = h200.model_copy(update={"engine": h200.engine.model_copy(update={"context_parallel": False})})
-    with pytest.raises(JobError, match=r"does not fit at TP16 \(lower the buckets' max_num_seqs to 'largest seqs'"):
+    with pytest.raises(JobError, match=r"does not fit at TP16 \(lower the buckets' max_num_seqs to their 'largest'"):
         fit_job(off, JOBS)
