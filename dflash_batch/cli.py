@@ -83,8 +83,13 @@ def _table(header: list[str], rows: list[list]) -> str:
 
 
 def _share(fraction: float | None) -> str | None:
-    """The share of prompt tokens taken from shared heads or forked prefills (cached_tokens)."""
+    """The share of prompt tokens taken from shared heads (cached_tokens), once a request."""
     return None if fraction is None else f"{fraction:.0%}"
+
+
+# Beside the tables that show them: the basis of their prompt tokens and cached share (io/ledger.py once_a_request)
+PROMPT_BASIS = ("prompt tokens, cached: each request's prompt counted once (its sample 0), as OpenAI's usage "
+                "counts it; cached: the share of them taken from a head another request computed")
 
 
 @click.group()
@@ -125,6 +130,7 @@ def _run_shard(job: Job, shard: Shard, progress: bool, job_file: str,
                           [[name, s["rows"], s["ok"], s["error"], s["prompt_tokens"], _share(s["cached_share"]),
                             s["completion_tokens"], s["acc_len"], s["proposal_acceptance"]]
                            for name, s in result.stats.items()]))
+        click.echo(PROMPT_BASIS)
     tally = result.progress
     if tally is None:
         return
@@ -422,11 +428,9 @@ def status(out_dir: str) -> None:
     """Rows done / error per shard (beside the rows it holds once complete, counted from the
     inputs) and per bucket, from the committed files of OUT_DIR; which shards are running (their
     progress files), which are incomplete, and the command that finishes them."""
-    from dflash_batch.io.fingerprint import input_identity
-    from dflash_batch.io.ledger import (RAY_INPUT, array_spec, count_committed, duplicate_keys, lock_path,
-                                        shard_finished, shard_states)
+    from dflash_batch.io.ledger import RAY_INPUT, array_spec, count_committed, duplicate_keys, lock_path
     from dflash_batch.io.progress import describe_live, live_state, lock_held, read_progress, resume_lines
-    from dflash_batch.plan.expected import shard_plan
+    from dflash_batch.plan.expected import settled_states
 
     out = Path(out_dir)
     run_file = out / "run.json"
@@ -436,24 +440,10 @@ def status(out_dir: str) -> None:
     num_shards = run_record["num_shards"]
     by_shard, by_bucket, by_error = count_committed(out)
     done = [by_shard[(i, "ok")] + by_shard[(i, "error")] for i in range(num_shards)]
-    states = shard_states(out, num_shards)  # what each shard's runs recorded of reaching their end
-    expected = [None] * num_shards
+    states, expected, unknown = settled_states(out, run_record, done)
+    if unknown:
+        click.echo(f"(expected rows unknown: {unknown})", err=True)
     from_ray = run_record["job"]["input"]["paths"] == [RAY_INPUT]
-    if from_ray:  # its rows are known to the pipeline, not to a file
-        states = ["complete" if s == "complete" else "ray" if d else "not started" for d, s in zip(done, states)]
-        click.echo("(expected rows unknown: its rows come from a Ray Data pipeline (dflash_batch.ray))", err=True)
-    else:
-        try:  # each shard's rows once complete, counted from local inputs (cached in OUT_DIR)
-            job = Job.model_validate(run_record["job"])
-            inputs = input_identity(job, out)
-            if inputs is not None:
-                expected = shard_plan(out, job, num_shards, inputs)
-                # Complete by count, or because its run got through these very inputs (duplicate ids
-                # make the counts disagree); a run's record of an end before the inputs changed is not.
-                states = ["complete" if d >= e or shard_finished(out, i, inputs) else "incomplete" if s == "complete"
-                          else s for i, (d, e, s) in enumerate(zip(done, expected, states))]
-        except Exception as e:  # noqa: BLE001 - inputs gone or moved, a job this version reads otherwise
-            click.echo(f"(expected rows unknown: {e})", err=True)
     records, now = [read_progress(out, i) for i in range(num_shards)], time.time()
     live = [live_state(r, lock_held(lock_path(out, i)), now) for i, r in enumerate(records)]
     # A shard some run worked on (it left a record) is not "not started", even before its first part.
@@ -466,6 +456,7 @@ def status(out_dir: str) -> None:
                              [[n, by_bucket[(n, "ok")], by_bucket[(n, "error")], by_bucket[(n, "prompt_tokens")],
                                _share(by_bucket[(n, "cached_tokens")] / by_bucket[(n, "prompt_tokens")]
                                       if by_bucket[(n, "prompt_tokens")] else None)] for n in names]))
+    click.echo(PROMPT_BASIS)
     ok = sum(c for (_, status), c in by_shard.items() if status == "ok")
     click.echo(f"\ntotal: {ok} ok, {sum(by_shard.values()) - ok} error, {num_shards} shard(s), "
                f"{states.count('complete')} complete")

@@ -151,7 +151,7 @@ class RowDecoder:
         bar = tqdm(total=len(requests), desc=f"bucket {bucket.name}", unit="req",
                    disable=not self.progress, leave=True, dynamic_ncols=True)
         tokens, rounds, accepted, t0 = 0, 0, 0, time.monotonic()
-        prompted = cached = 0  # prompt tokens of the finished samples, and of those taken from shared heads
+        prompted = cached = 0  # prompt tokens of the finished requests (sample 0), and of those taken from heads
         shown = t0
         try:
             for c in self.engine.generate(requests, bucket):  # a list: the engine may count it
@@ -159,7 +159,8 @@ class RowDecoder:
                 self._commit_sample(row, c.key[1], self._ok_row(row, seed, c) if c.error_type is None
                                     else self._failed_row(row, seed, c))
                 tokens += len(c.token_ids)
-                prompted, cached = prompted + len(row.prompt_ids), cached + c.cached_tokens
+                if c.key[1] == 0 and c.error_type is None:  # once a request, as the stats count (ledger.once_a_request)
+                    prompted, cached = prompted + len(row.prompt_ids), cached + c.cached_tokens
                 if c.spec is not None:
                     rounds, accepted = rounds + c.spec.rounds, accepted + c.spec.accepted
                 bar.update(1)

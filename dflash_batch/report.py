@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from dflash_batch.io.ledger import list_sums, part_files, read_part, speculation
+from dflash_batch.io.ledger import array_spec, list_sums, part_files, read_part, speculation
 
 COLUMNS = ["row_id", "sample_index", "status", "finish_reason", "prompt_tokens", "completion_tokens", "bucket",
            "spec_block_size", "spec_rounds", "spec_accepted", "spec_drafts_verified", "spec_histogram",
@@ -124,17 +124,18 @@ def _part_sums(t: pa.Table, answer: str | None, match: str) -> pa.Table:
 def build_report(out_dir: Path, group_by: str | None = None, answer: str | None = None,
                  match: str = "last-number") -> dict:
     """The tables, summed part by part with Arrow: memory does not grow with the number of rows
-    (`prompts` counts each row_id's sample 0)."""
+    (`prompts` counts each row_id's sample 0). A finished run without rows (its inputs held none)
+    has empty tables, as `status` calls it complete; an unfinished one without rows is refused."""
     files = part_files(out_dir)
     if not files:
-        raise FileNotFoundError(f"{out_dir}: no committed part files")
-    names = pq.read_schema(files[0]).names
+        _refuse_unless_finished(out_dir)
+    names = pq.read_schema(files[0]).names if files else []
     if group_by is None and "dataset" in names:
         group_by = "dataset"
     if answer is None and NEEDLE in names:  # make-needle prompts: retrieval is their answer
         answer, match = NEEDLE, "contains"
     for col, what in ((group_by, "group by"), (answer, "score against")):
-        if col is not None and col not in names:
+        if col is not None and files and col not in names:
             raise KeyError(f"{out_dir}: no column {col!r} to {what} in the output (columns: {names})")
     cols = list(dict.fromkeys(COLUMNS + ([group_by] if group_by else []) + (["response", answer] if answer else [])))
     totals: dict[str, dict[str, _Totals]] = {"overall": {}, "groups": {}, "buckets": {}}
@@ -163,8 +164,25 @@ def build_report(out_dir: Path, group_by: str | None = None, answer: str | None 
     groups = {k: v.summary(answer) for k, v in sorted(totals["groups"].items())}
     buckets = {k: v.summary(answer) for k, v in sorted(totals["buckets"].items(), key=lambda kv: _edge(kv[0]))}
     return {"group_by": group_by, "answer": answer, "match": match,
-            "overall": totals["overall"]["all"].summary(answer), "groups": groups, "buckets": buckets,
-            "schedule": _schedules(out_dir), "whole_block_assumed": assumed}
+            "overall": totals["overall"].get("all", _Totals()).summary(answer), "groups": groups,
+            "buckets": buckets, "schedule": _schedules(out_dir), "whole_block_assumed": assumed}
+
+
+def _refuse_unless_finished(out_dir: Path) -> None:
+    """A run with no committed part: refused unless every shard is complete as `status` calls it
+    (then the run has no rows)."""
+    from dflash_batch.plan.expected import settled_states  # reads the inputs: only for a run without parts
+
+    run_file = out_dir / "run.json"
+    if not run_file.exists():
+        raise FileNotFoundError(f"{out_dir}: no run.json; not a dflash-batch output directory")
+    run = orjson.loads(run_file.read_bytes())
+    states, _, _ = settled_states(out_dir, run, [0] * run["num_shards"])
+    todo = [i for i, state in enumerate(states) if state != "complete"]
+    if todo:
+        raise FileNotFoundError(f"{out_dir}: no committed part files yet, and shard(s) {array_spec(todo)} of "
+                                f"{run['num_shards']} not complete (`dflash-batch status {out_dir}` says how to "
+                                "finish them)")
 
 
 def _schedules(out_dir: Path) -> dict[str, dict]:
@@ -223,6 +241,8 @@ def _table(title: str, rows: dict[str, dict], speculation: bool = False) -> list
 
 def to_markdown(report: dict) -> str:
     overall = report["overall"]
+    if not overall["requests"] and not overall["errors"]:  # no row (a retry's may hold no sample 0)
+        return "No rows: every shard of the run finished, and its inputs held no rows."
     lines = ["## Acceptance", "", *_table(report["group_by"] or "benchmark",
                                            {**report["groups"], "all": overall} if len(report["groups"]) > 1
                                            else report["groups"]),

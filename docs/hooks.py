@@ -1,10 +1,17 @@
 """MkDocs hook: the job-file reference and the CLI reference, generated from the code at every
 build (the job's JSON Schema, click's help), so neither can drift from what the tool does.
-They are written to docs/reference/ (git-ignored) before MkDocs collects the pages."""
+They are written to docs/reference/ (git-ignored) before MkDocs collects the pages.
+
+Every page is also checked for a list written right under a paragraph line: Python-Markdown
+reads it as the paragraph's text, one run-on paragraph on the site (GitHub renders it as a
+list, so it goes unseen there). Each one is logged as an error, which `mkdocs build --strict` fails
+on, `-q` or not (-q hides warnings from the count --strict makes, not errors)."""
 
 from __future__ import annotations
 
 import json
+import logging
+import re
 from pathlib import Path
 
 import click
@@ -13,12 +20,43 @@ from dflash_batch.cli import main
 from dflash_batch.job import job_json_schema
 
 REFERENCE = Path(__file__).parent / "reference"
+# Under "mkdocs": the build counts what that logger reports, and --strict fails on any.
+log = logging.getLogger("mkdocs.hooks.lists")
+LIST_ITEM = re.compile(r"\s*(?:[-*+]|\d+[.)])\s")
+FENCE = re.compile(r"\s*(`{3,}|~{3,})")
 
 
 def on_pre_build(config) -> None:
     REFERENCE.mkdir(exist_ok=True)
     (REFERENCE / "job-file.md").write_text(job_file_reference(job_json_schema()))
     (REFERENCE / "cli.md").write_text(cli_reference(main))
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    for number, line in lists_without_blank_line(markdown):
+        log.error(f"{page.file.src_path}:{number}: a list right under a paragraph line renders as that "
+                    f"paragraph's text; put a blank line before it: {line.strip()[:60]!r}")
+    return markdown
+
+
+def lists_without_blank_line(markdown: str) -> list[tuple[int, str]]:
+    """(line number, line) of each list item that starts a list right under a paragraph line,
+    outside code fences. An item under another item, or under its item's continued text, is
+    inside its list; one under a heading starts a block of its own: both render as lists."""
+    found, fence, in_list, previous = [], "", False, ""
+    for number, line in enumerate(markdown.splitlines(), 1):
+        marker = FENCE.match(line)
+        if fence or marker:  # a fence closes with its own character, at least as many times
+            if marker and (not fence or (marker[1][0] == fence[0] and len(marker[1]) >= len(fence))):
+                fence = "" if fence else marker[1]
+        elif LIST_ITEM.match(line):
+            if not in_list and previous.strip() and not previous.lstrip().startswith("#"):
+                found.append((number, line))
+            in_list = True
+        elif line.strip() and not previous.strip() and not line[0].isspace():
+            in_list = False  # a paragraph after a blank line ends the list
+        previous = line
+    return found
 
 
 def cli_reference(group: click.Group) -> str:

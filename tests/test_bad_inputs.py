@@ -13,6 +13,8 @@ import string
 from pathlib import Path
 
 import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
@@ -375,14 +377,16 @@ def test_a_parquet_tools_column_reaches_the_template(tmp_path, model_dir):
     assert row["rendered_prompt"] == '[{"type": "function", "function": {"name": "f"}}] hi'
 
 
-@pytest.mark.parametrize("ext", ["jsonl", "parquet"])
-def test_an_empty_input_stops_before_any_model_loads_unless_allowed(tmp_path, model_dir, ext):
+@pytest.mark.parametrize("ext, blank, why", [("jsonl", b"", "an empty file"),
+                                             ("jsonl", b"\n  \n\t\n", "only blank lines"),  # no rows, not empty
+                                             ("parquet", None, "a Parquet file of 0 rows")])
+def test_an_empty_input_stops_before_any_model_loads_unless_allowed(tmp_path, model_dir, ext, blank, why):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     write_jsonl(tmp_path / "a.jsonl", [{"id": "a", "prompt": "hi"}])
     if ext == "jsonl":
-        (tmp_path / "empty.jsonl").write_bytes(b"\n  \n")  # blank lines are no rows
+        (tmp_path / "empty.jsonl").write_bytes(blank)
     else:
         pq.write_table(pa.table({"id": pa.array([], pa.string()), "prompt": pa.array([], pa.string())}),
                        tmp_path / "empty.parquet")
@@ -390,7 +394,7 @@ def test_an_empty_input_stops_before_any_model_loads_unless_allowed(tmp_path, mo
     job = write_job(tmp_path, doc)
     with pytest.raises(JobError) as e:
         run_job(job, never_loaded, Shard(0, 1), progress=False)
-    assert str(e.value) == (f"{tmp_path / f'empty.{ext}'}: no rows (an empty file); set input.allow_empty: true "
+    assert str(e.value) == (f"{tmp_path / f'empty.{ext}'}: no rows ({why}); set input.allow_empty: true "
                             "if that is expected")
     doc["input"]["allow_empty"] = True
     allowed = write_job(tmp_path, doc)
@@ -443,6 +447,67 @@ def test_validate_and_run_refuse_a_missing_column_before_reading_a_checkpoint(tm
     assert not (tmp_path / "out").exists()
 
 
+CHAT = [{"role": "user", "content": "hi"}]
+# (what, the job's input section, the file (a JSONL file when the name says so), what validate says of it)
+KINDS = [
+    ("chat messages as JSON text", {"prompt_column": None, "messages_column": "msgs"},
+     ("a.parquet", {"msgs": [json.dumps(CHAT)] * 2}),
+     """column 'msgs' holds string values (e.g. '[{"role": "user", "content": "hi"}]'), not lists of {role, """
+     "content} messages, so every row would be an error row: JSON text? Decode each value (json.loads)"),
+    ("chat messages as lists of text", {"prompt_column": None, "messages_column": "msgs"},
+     ("a.parquet", {"msgs": [["hi"], ["there"]]}), "column 'msgs' holds list<element: string> values (e.g. ['hi'])"),
+    ("prompt as a list", {}, ("a.parquet", {"prompt": [["hi"], ["there"]]}),
+     "column 'prompt' holds list<element: string> values (e.g. ['hi']), not strings, so every row would be an error row"),
+    ("prompt all null", {}, ("a.parquet", {"prompt": pa.nulls(2)}), "column 'prompt' holds null values, not strings"),
+    ("token ids as JSON text", {"prompt_column": None, "input_ids_column": "ids"},
+     ("a.parquet", {"ids": ["[5, 6]", "[7]"]}), "column 'ids' holds string values (e.g. '[5, 6]'), not lists of "
+     "token ids, so every row would be an error row: JSON text?"),
+    ("tools as JSON text", {"prompt_column": None, "messages_column": "msgs", "tools_column": "tools"},
+     ("a.parquet", {"msgs": [CHAT] * 2, "tools": ['[{"type": "function"}]'] * 2}),
+     "column 'tools' holds string values (e.g. '[{\"type\": \"function\"}]'), not lists of tool objects"),
+    ("chat messages as JSON text, JSONL", {"prompt_column": None, "messages_column": "msgs"},
+     ("a.jsonl", {"msgs": [json.dumps(CHAT), None, json.dumps(CHAT)]}),
+     """column 'msgs' holds str values in each of its first 3 non-empty line(s) that sets it (e.g. '[{"role": """
+     """"user", "content": "hi"}]'), not lists of {role, content} messages, so each of those rows would be an """
+     "error row: JSON text?"),
+]
+
+
+def write_columns(path: Path, columns: dict) -> Path:
+    if path.suffix == ".parquet":
+        rows = len(next(iter(columns.values())))
+        pq.write_table(pa.table({"id": [f"r{i}" for i in range(rows)], **columns}), path)
+    else:
+        write_jsonl(path, [{"id": f"r{i}", **dict(zip(columns, values))} for i, values in enumerate(zip(*columns.values()))])
+    return path
+
+
+@pytest.mark.parametrize("what, spec, file, words", KINDS, ids=[k[0] for k in KINDS])
+def test_validate_and_run_refuse_a_prompt_column_of_another_kind(tmp_path, model_dir, what, spec, file, words):
+    """Every row of such a file would be an error row: `validate` and `run` exit 2 naming the file,
+    the column and what it holds, before any model loads."""
+    path = write_columns(tmp_path / file[0], file[1])
+    doc = base_job(model_dir, [file[0]], input=spec)
+    write_job(tmp_path, doc)
+    result = CliRunner().invoke(main, ["validate", str(tmp_path / "job.yaml")])
+    assert result.exit_code == 2 and f"error: {path}: {words}" in result.output, result.output
+    with pytest.raises(JobError) as e:
+        run_job(write_job(tmp_path, doc), never_loaded, Shard(0, 1), progress=False)
+    assert f"{path}: {words}" in str(e.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_prompt_columns_of_the_kinds_read_pass(tmp_path, model_dir):
+    """Pandas' categorical text (dictionary-encoded), chat messages as lists of structs, and a
+    tools column that is null throughout (no tools) run as they are."""
+    prompts = pa.array(["hi", "there"]).dictionary_encode()
+    write_columns(tmp_path / "a.parquet", {"prompt": prompts})
+    check_job(write_job(tmp_path, base_job(model_dir, ["a.parquet"])))
+    write_columns(tmp_path / "b.parquet", {"msgs": [CHAT] * 2, "tools": pa.nulls(2)})
+    check_job(write_job(tmp_path, base_job(model_dir, ["b.parquet"], input={
+        "prompt_column": None, "messages_column": "msgs", "tools_column": "tools"})))
+
+
 # -- property: random bytes and random JSON lines --------------------------------------------
 line = st.one_of(
     st.binary(min_size=1, max_size=40).filter(lambda b: b"\n" not in b and b"\r" not in b and b.strip()),
@@ -464,6 +529,11 @@ def test_random_lines_never_crash_and_no_good_row_is_lost(tmp_path_factory, mode
         with pytest.raises(JobError, match=r"(column\(s\) \['prompt'\] not found|is a JSON object)"):
             run_job(write_job(d, doc), never_loaded, Shard(0, 1), progress=False)
         return  # no line has the prompt column: refused as a whole
+    prompts = [v["prompt"] for ln in lines if isinstance(v := _parsed(ln), dict) and v.get("prompt") is not None]
+    if prompts and not any(isinstance(p, str) for p in prompts):
+        with pytest.raises(JobError, match=r"column 'prompt' holds .* values in each of its first"):
+            run_job(write_job(d, doc), never_loaded, Shard(0, 1), progress=False)
+        return  # no line's prompt is text: refused as a whole
     run_job(write_job(d, doc), fake_factory(), Shard(0, 1), progress=False)
     out = read_out(d / "out")
     kept = [ln for ln in lines if ln.strip()]

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 
+from dflash_batch.io.export import export_dataset, export_openai_batch
 from dflash_batch.plan.shards import Shard
 from dflash_batch.runner import run_job
 from tests.fake_engine import fake_factory
@@ -71,6 +73,53 @@ def test_report_markdown_and_errors(out_dir, tmp_path):
     assert "| aime |" in out.stdout and "α_7" in out.stdout and (tmp_path / "p.png").exists()
     bad = subprocess.run([*CLI, str(out_dir), "--group-by", "nope"], capture_output=True, text=True)
     assert bad.returncode == 2 and "no column 'nope'" in bad.stderr
+
+
+def test_rows_without_a_sample_0_are_rows(out_dir):
+    """A retry's run may hold only later samples (no prompt counted): its tables, not "No rows"."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from dflash_batch.io.ledger import part_files
+    for f in part_files(out_dir):
+        t = pq.read_table(f)
+        pq.write_table(t.filter(pc.and_(pc.equal(t["sample_index"], 1), pc.equal(t["status"], "ok"))), f)
+    out = subprocess.run([*CLI, str(out_dir)], capture_output=True, text=True)
+    assert out.returncode == 0 and "| all |" in out.stdout and "No rows" not in out.stdout, out.stdout
+
+
+def test_report_of_a_run_without_rows_agrees_with_status(tmp_path, model_dir):
+    """Two shards, only shard 0 run, no part committed. Inputs that hold no rows (input.allow_empty):
+    `status` calls both shards complete (shard 1 holds none), and `report` agrees: "No rows", exit
+    0. Inputs whose rows all fall in shard 1: `status` calls it not started, and `report` refuses,
+    naming it."""
+    from dflash_batch.plan.shards import shard_of
+
+    def status(out_dir) -> str:
+        done = subprocess.run([sys.executable, "-m", "dflash_batch.cli", "status", str(out_dir)],
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+    empty = write_job(tmp_path, base_job(model_dir, ["empty.jsonl"], input={"allow_empty": True},
+                                         output={"dir": "empty"}))
+    run_job(empty, fake_factory(), Shard(0, 2), progress=False)
+    assert "2 shard(s), 2 complete" in status(tmp_path / "empty")
+    report = subprocess.run([*CLI, str(tmp_path / "empty")], capture_output=True, text=True)
+    assert report.returncode == 0, report.stderr
+    assert report.stdout == "No rows: every shard of the run finished, and its inputs held no rows.\n"
+    as_json = subprocess.run([*CLI, str(tmp_path / "empty"), "--json"], capture_output=True, text=True)
+    assert as_json.returncode == 0 and json.loads(as_json.stdout)["overall"]["prompts"] == 0, as_json.stderr
+    assert not (tmp_path / "empty" / "report.png").exists()
+
+    ids = [i for i in map(str, range(40)) if shard_of(i, 2) == 1][:3]
+    write_jsonl(tmp_path / "p.jsonl", [{"id": i, "prompt": "hi"} for i in ids])
+    run_job(write_job(tmp_path, base_job(model_dir, ["p.jsonl"])), fake_factory(), Shard(0, 2), progress=False)
+    assert "2 shard(s), 1 complete" in status(tmp_path / "out")
+    refused = subprocess.run([*CLI, str(tmp_path / "out")], capture_output=True, text=True)
+    assert refused.returncode == 2 and "no committed part files yet, and shard(s) 1 of 2 not complete" in \
+        refused.stderr, refused.stderr
 
 
 @pytest.mark.parametrize("match, response, answer, right", [
@@ -174,9 +223,70 @@ def test_export_refuses_an_unfinished_run_unless_partial(tmp_path, model_dir):
     assert "**Partial**: exported before the run finished" in card and "5 rows: 5 ok" in card
 
 
+def test_cached_tokens_count_once_a_request_in_every_table_and_export(tmp_path, model_dir, capsys):
+    """Samples of one prompt fork its prefill (cached_tokens: their whole prompt) and some rows
+    take a head another row computed: the run's end table, `status`, the OpenAI export's usage
+    and the dataset card all count prompt and cached tokens once a request (its sample 0), as
+    OpenAI does, so they give one cached share; the card names the target by its architecture."""
+    import dataclasses
+
+    from click.testing import CliRunner
+
+    from dflash_batch.cli import _run_shard, main
+    from tests.fake_engine import FakeEngine
+
+    head = {f"r{i}": 5 * (i % 2) for i in range(6)}  # the tokens sample 0 of each row takes from a head
+
+    class Sharing(FakeEngine):
+        def generate(self, requests, bucket):
+            prompts = {r.key: len(r.prompt_ids) for r in requests}
+            for c in super().generate(requests, bucket):
+                row, sample = c.key
+                yield dataclasses.replace(c, cached_tokens=prompts[c.key] if sample else head[row])
+
+    write_jsonl(tmp_path / "p.jsonl", [{"id": row, "prompt": "word " * (3 + 4 * i)} for i, row in enumerate(head)])
+    job = write_job(tmp_path, base_job(model_dir, ["p.jsonl"], sampling={"n": 3}))
+    _run_shard(job, Shard(0, 1), False, str(tmp_path / "job.yaml"), lambda j, tok: Sharing(tok))
+    table = capsys.readouterr().out
+    rows = read_out(tmp_path / "out")
+    prompt = sum(r["prompt_tokens"] for r in rows if r["sample_index"] == 0)
+    share = f"{sum(head.values()) / prompt:.0%}"
+    assert len(rows) == 18 and share != f"{sum(r['cached_tokens'] for r in rows) / (3 * prompt):.0%}"
+    assert re.search(rf"0-256 +18 +18 +0 +{prompt} +{share} ", table), table
+    status = CliRunner().invoke(main, ["status", str(tmp_path / "out")]).output
+    assert re.search(rf"0-256 +18 +0 +{prompt} +{share}\n", status), status
+    for shown in (table, status):
+        assert "each request's prompt counted once (its sample 0)" in shown
+
+    export_openai_batch(tmp_path / "out", tmp_path / "batch.jsonl")
+    usage = [json.loads(line)["response"]["body"]["usage"] for line in (tmp_path / "batch.jsonl").open()]
+    assert sum(u["prompt_tokens"] for u in usage) == prompt
+    assert sum(u["prompt_tokens_details"]["cached_tokens"] for u in usage) == sum(head.values())
+    export_dataset(tmp_path / "out", tmp_path / "hf")
+    card = (tmp_path / "hf" / "README.md").read_text()
+    assert (f"- prompt tokens, each request's once (its sample 0): {prompt}; of them cached, taken from a head "
+            f"another request computed (engine.share_prompts): {sum(head.values())} ({share})\n") in card
+    assert "- target: `model` (FakeForTests)\n- drafter: none (target-only decoding)\n" in card
+
+
+def test_the_card_names_a_model_without_where_it_lies(tmp_path):
+    """A Hub cache snapshot by ORG/NAME, else the directory's name; the architecture from its
+    config.json, while the checkpoint is there to read."""
+    from dflash_batch.io.card import model_name
+
+    snapshot = tmp_path / "hub" / "models--moonshotai--Kimi-K3" / "snapshots" / "0a1b2c"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps({"architectures": ["KimiK3ForConditionalGeneration"]}))
+    assert model_name(str(snapshot)) == "`moonshotai/Kimi-K3` (KimiK3ForConditionalGeneration)"
+    (tmp_path / "drafter").mkdir()
+    (tmp_path / "drafter" / "config.json").write_text(json.dumps({"model_type": "dflash"}))
+    assert model_name(str(tmp_path / "drafter")) == "`drafter` (dflash)"
+    assert model_name(str(tmp_path / "gone" / "Kimi-K3")) == "`Kimi-K3`"
+
+
 def test_parts_written_before_cached_tokens_read_as_null(out_dir):
     """Output schema v2 parts (no cached_tokens) and v1 parts (nor the drafts verified) read with
-    cached_tokens null, so the shard stats and `status` sum nothing for them."""
+    cached_tokens null, so the shard stats, `status` and the exported card sum nothing for them."""
     import pyarrow.parquet as pq
 
     from dflash_batch.io.ledger import STAT_COLUMNS, count_committed, part_files, read_part
@@ -190,3 +300,6 @@ def test_parts_written_before_cached_tokens_read_as_null(out_dir):
         assert t["cached_tokens"].null_count == len(t) and t["spec_drafts_verified"].null_count < len(t)
     _, by_bucket, _ = count_committed(out_dir)
     assert all(by_bucket[k] == 0 for k in by_bucket if k[1] == "cached_tokens")
+    export_dataset(out_dir, out_dir.parent / "hf")  # the card says the share counts none for them
+    assert "0 (0%) (rows written before outputs recorded cached tokens count none)\n" in \
+        (out_dir.parent / "hf" / "README.md").read_text()

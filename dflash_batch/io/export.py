@@ -23,7 +23,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dflash_batch.io.card import dataset_card
-from dflash_batch.io.ledger import array_spec, part_files, unfinished_shards
+from dflash_batch.io.ledger import array_spec, once_a_request, part_files, unfinished_shards
 from dflash_batch.io.openai_batch import CHAT_URL, COMPLETIONS_URL, RequestError, response_line
 from dflash_batch.io.spill import by_key
 from dflash_batch.job import Job, JobError
@@ -156,6 +156,8 @@ def export_dataset(out_dir: Path, dest: Path, rows_per_file: int = 100_000, mess
         raise JobError(f"{dest / 'data'} is not empty: export into a new directory")
     writer, index, in_file, written, names = None, 0, 0, 0, []
     ok = rounds = accepted = verified = 0
+    prompted = cached = 0  # prompt tokens once a request, and of them those cached (the stats' basis)
+    unrecorded = False  # some rows predate the record of cached tokens (output schema v3)
     whole_block = False  # some rows predate the record of drafts verified (output schema v1)
     spans: dict[str, tuple[int, int]] = {}  # column -> (min, max) over the rows written
     for table in merged_rows(chain, grouped=False, spill_dir=dest):
@@ -172,6 +174,11 @@ def export_dataset(out_dir: Path, dest: Path, rows_per_file: int = 100_000, mess
         else:
             whole_block |= bool(pc.any(pc.is_valid(assumed)).as_py())
         verified += pc.sum(assumed).as_py() or 0
+        counted = table.filter(once_a_request(table))
+        prompted += pc.sum(counted["prompt_tokens"]).as_py() or 0
+        took = counted["cached_tokens"] if "cached_tokens" in counted.column_names else pa.nulls(counted.num_rows)
+        cached += pc.sum(took).as_py() or 0
+        unrecorded |= took.null_count > 0
         for column in ("prompt_tokens", "completion_tokens"):
             lo, hi = pc.min_max(table[column]).values()
             if lo.is_valid:
@@ -198,10 +205,21 @@ def export_dataset(out_dir: Path, dest: Path, rows_per_file: int = 100_000, mess
                    "the whole block)" if whole_block else ""))
     ranges = "; ".join(f"{c.replace('_', ' ')} {lo}-{hi}" for c, (lo, hi) in spans.items())
     summary = (f"- rows: {ranges}\n" if ranges else "") + "".join(_retry_line(i, record) for i, (_, record) in enumerate(chain) if i)
+    summary += _cached_line(prompted, cached, unrecorded)
     summary += (f"\n{written} rows: {ok} ok, {written - ok} error; acceptance length (1 + accepted / rounds, "
                 f"pooled) {acc}.\n") + partial_line
     (dest / "README.md").write_text(dataset_card(job, "data/train-*.parquet", summary))
     return written
+
+
+def _cached_line(prompted: int, cached: int, unrecorded: bool) -> str:
+    """The card's cached share, on the basis of the run's tables and the OpenAI export's usage."""
+    if not prompted:
+        return ""
+    share = f"{cached} ({cached / prompted:.0%})" + (" (rows written before outputs recorded cached tokens count "
+                                                       "none)" if unrecorded else "")
+    return (f"- prompt tokens, each request's once (its sample 0): {prompted}; of them cached, taken from a head "
+            f"another request computed (engine.share_prompts): {share}\n")
 
 
 def export_openai_batch(out_dir: Path, dest: Path, partial: bool = False) -> int:

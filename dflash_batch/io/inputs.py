@@ -4,8 +4,10 @@ Inputs are read in batches of records so a 10M-row file is never held whole. A p
 protocol (`hf://`, `s3://`, `gs://`, `memory://`, ...) is read through fsspec, streamed the same
 way (Parquet by row groups, JSONL line by line), never downloaded whole first. A JSONL line that
 does not parse is not fatal: it comes out as a record with `error` set (file and line, in words)
-and becomes an error row. A missing file, an empty one, or one without a column the job names
-is a job-level error: it stops the run before any work, naming the file (check_inputs).
+and becomes an error row. A missing file, one without rows, one without a column the job names,
+or one whose prompt column holds another kind of value than the job reads there (a Parquet
+column of JSON text where chat messages belong) is a job-level error: it stops the run before
+any work, naming the file and the column (check_inputs).
 """
 
 from __future__ import annotations
@@ -131,6 +133,64 @@ def _require_columns(path: InputFile, names: list[str], columns: list[str], has:
         raise JobError(f"{path}: column(s) {missing} not found; {has} {names}")
 
 
+@dataclass(frozen=True, slots=True)
+class _Holds:
+    """What a prompt (or tools) column's values must be: any other kind makes every row an error
+    row (plan/rows.py), so an input whose column holds another kind is refused before any work."""
+
+    words: str                            # the values wanted, as the message says them
+    arrow: Callable[[pa.DataType], bool]  # a Parquet column of this type holds them
+    python: type                          # a JSONL value of this type is one
+
+
+def _list_of(item: Callable[[pa.DataType], bool]) -> Callable[[pa.DataType], bool]:
+    return lambda t: ((pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t))
+                      and item(t.value_type))
+
+
+_OBJECTS = _list_of(lambda t: pa.types.is_struct(t) or pa.types.is_map(t))
+_TEXT = _Holds("strings", lambda t: pa.types.is_string(t) or pa.types.is_large_string(t)
+               or pa.types.is_string_view(t), str)
+_MESSAGES = _Holds("lists of {role, content} messages", _OBJECTS, list)
+_IDS = _Holds("lists of token ids", _list_of(pa.types.is_integer), list)
+_TOOLS = _Holds("lists of tool objects", lambda t: pa.types.is_null(t) or _OBJECTS(t), list)  # null: no tools
+
+
+def _prompt_columns(spec: InputSpec) -> dict[str, _Holds]:
+    wanted = {spec.prompt_column: _TEXT, spec.messages_column: _MESSAGES, spec.input_ids_column: _IDS,
+              spec.tools_column: _TOOLS}
+    return {column: holds for column, holds in wanted.items() if column}
+
+
+def _wrong_kind(path: InputFile, column: str, holds: _Holds, found: str, example: object,
+                rows: str = "every row") -> JobError:
+    text = repr(example)
+    shown = "" if example is None else f" (e.g. {text[:60]}{'...' * (len(text) > 60)})"
+    json_text = isinstance(example, str) and holds.python is list and example.lstrip().startswith(("[", "{"))
+    hint = ": JSON text? Decode each value (json.loads) and write the column as lists" if json_text else ""
+    return JobError(f"{path}: column {column!r} holds {found}{shown}, not {holds.words}, so {rows} would be "
+                    f"an error row{hint}")
+
+
+def _check_parquet_kinds(path: InputFile, pf: pq.ParquetFile, wanted: dict[str, _Holds]) -> None:
+    for column, holds in wanted.items():
+        kind = pf.schema_arrow.field(column).type
+        if not holds.arrow(kind.value_type if pa.types.is_dictionary(kind) else kind):  # pandas' categoricals
+            first = next(pf.iter_batches(batch_size=SCHEMA_LINES, columns=[column]), None)
+            example = next((v for v in first.column(0).to_pylist() if v is not None), None) if first else None
+            raise _wrong_kind(path, column, holds, f"{kind} values", example)
+
+
+def _check_jsonl_kinds(path: InputFile, objects: list[dict], lines: int, wanted: dict[str, _Holds]) -> None:
+    """Refused only when no line of the head holds the kind wanted: a few odd rows are error rows."""
+    for column, holds in wanted.items():
+        values = [d[column] for d in objects if d.get(column) is not None]
+        if values and not any(isinstance(v, holds.python) for v in values):
+            kinds = "/".join(sorted({type(v).__name__ for v in values}))
+            raise _wrong_kind(path, column, holds, f"{kinds} values in each of its first {lines} non-empty "
+                              "line(s) that sets it", values[0], "each of those rows")
+
+
 def _jsonl_record(source: str, index: int, line: bytes) -> Record:
     """One JSONL line; a bad one says why in words (orjson calls a stray byte "surrogates not
     allowed", and counts lines and columns within the line)."""
@@ -211,16 +271,20 @@ def _jsonl_head(path: InputFile) -> list[Record]:
 
 def check_inputs(spec: InputSpec) -> None:
     """Refuse, before any work, inputs that would stop the run or make every row an error row:
-    missing files, empty files (unless input.allow_empty), and files without a column the job
-    names (Parquet: its footer's schema; JSONL: the keys of its first SCHEMA_LINES non-empty
-    lines). A request line's fields are checked per row (io/openai_batch.py)."""
-    columns = [] if spec.format == "openai_batch" else needed_columns(spec)
+    missing files, files without rows (unless input.allow_empty), files without a column the job
+    names, and prompt columns of another kind than the job reads (Parquet: its footer's schema;
+    JSONL: its first SCHEMA_LINES non-empty lines). A request line's fields are checked per row
+    (io/openai_batch.py)."""
+    openai = spec.format == "openai_batch"
+    columns, wanted = ([], {}) if openai else (needed_columns(spec), _prompt_columns(spec))
     for path, kind in expand_paths(spec.paths, spec.format):
         if kind == "parquet":
             with _open(path) as f:
                 pf = pq.ParquetFile(f)
                 _require_columns(path, pf.schema_arrow.names, columns)
                 rows = pf.metadata.num_rows
+                if rows:
+                    _check_parquet_kinds(path, pf, wanted)
         else:
             head = _jsonl_head(path)
             rows = len(head)
@@ -231,8 +295,18 @@ def check_inputs(spec: InputSpec) -> None:
             if rows:
                 _require_columns(path, list(dict.fromkeys(k for d in objects for k in d)), columns,
                                  f"its first {rows} non-empty line(s) have")
+                _check_jsonl_kinds(path, objects, rows, wanted)
         if not rows and not spec.allow_empty:
-            raise JobError(f"{path}: no rows (an empty file); set input.allow_empty: true if that is expected")
+            raise JobError(f"{path}: no rows ({_why_no_rows(path, kind)}); set input.allow_empty: true if that "
+                           "is expected")
+
+
+def _why_no_rows(path: InputFile, kind: str) -> str:
+    """In words: a file of blank lines holds no rows, but it is not empty."""
+    if kind == "parquet":
+        return "a Parquet file of 0 rows"
+    with _open(path) as f:
+        return "only blank lines" if f.read(1) else "an empty file"
 
 
 def duplicate_ids(spec: InputSpec) -> dict:

@@ -214,8 +214,8 @@ def keys_to_skip(out_dir: Path, index: int, job: Job) -> DoneSet | Skipped:
     return done if job.retry is None else Skipped(done, _key_hashes([Path(job.retry.samples)]))
 
 
-STAT_COLUMNS = ["bucket", "status", "prompt_tokens", "cached_tokens", "completion_tokens", "spec_rounds",
-                "spec_accepted", "spec_drafts_verified", "spec_histogram", "spec_block_size"]
+STAT_COLUMNS = ["bucket", "status", "sample_index", "prompt_tokens", "cached_tokens", "completion_tokens",
+                "spec_rounds", "spec_accepted", "spec_drafts_verified", "spec_histogram", "spec_block_size"]
 VERIFIED = ("spec_drafts_verified", "spec_verified_histogram")  # output schema v2
 ADDED = {"cached_tokens": pa.int32()}  # output schema v3: null in older parts (nothing recorded)
 
@@ -245,21 +245,29 @@ def read_part(path: Path, columns: list[str]) -> tuple[pa.Table, bool]:
     return pa.table({c: made[c] if c in made else t[c] for c in columns}), old
 
 
+def once_a_request(t: pa.Table) -> pa.Array:
+    """The rows that count a request's prompt: its sample 0, when ok. Its other samples fork that
+    prefill (cached_tokens their whole prompt), so prompt and cached tokens are counted once a
+    request, as OpenAI's usage counts them (io/openai_batch.py): the cached share is then what
+    shared heads saved, not what n > 1 repeats."""
+    return pc.and_(pc.equal(t["status"], "ok"), pc.equal(t["sample_index"], 0))
+
+
 def count_committed(out_dir: Path) -> tuple[Counter, Counter, dict[str, tuple[int, str]]]:
     """Committed rows per (shard, status) and per (bucket, status) (with, under (bucket,
-    "prompt_tokens") and (bucket, "cached_tokens"), those sums over its ok rows), and error rows
+    "prompt_tokens") and (bucket, "cached_tokens"), those sums once a request), and error rows
     per error_type (their count and a row id), counted part by part with Arrow: memory does not grow with the
     number of rows."""
     by_shard, by_bucket, by_error = Counter(), Counter(), {}
     for f in part_files(out_dir):
-        t, _ = read_part(f, ["shard_index", "bucket", "status", "error_type", "row_id", "prompt_tokens",
-                             "cached_tokens"])
+        t, _ = read_part(f, ["shard_index", "bucket", "status", "error_type", "row_id", "sample_index",
+                             "prompt_tokens", "cached_tokens"])
         for keys, into in ((["shard_index", "status"], by_shard), (["bucket", "status"], by_bucket)):
             for row in t.group_by(keys).aggregate([("status", "count")]).to_pylist():
                 into[(row[keys[0]], row["status"])] += row["status_count"]
-        ok = t.filter(pc.equal(t["status"], "ok"))
-        for row in ok.group_by("bucket").aggregate([("prompt_tokens", "sum"), ("cached_tokens", "sum")]).to_pylist():
-            for column in ("prompt_tokens", "cached_tokens"):  # (bucket, column): summed over ok rows
+        counted = t.filter(once_a_request(t)).group_by("bucket")
+        for row in counted.aggregate([("prompt_tokens", "sum"), ("cached_tokens", "sum")]).to_pylist():
+            for column in ("prompt_tokens", "cached_tokens"):  # (bucket, column): summed once a request
                 by_bucket[(row["bucket"], column)] += row[f"{column}_sum"] or 0
         errors = t.filter(pc.equal(t["status"], "error"))
         for row in errors.group_by("error_type").aggregate([("row_id", "count"), ("row_id", "min")]).to_pylist():
@@ -292,9 +300,10 @@ def _bucket_totals(t: pa.Table) -> dict[str, dict]:
     names, code = buckets.dictionary.to_pylist(), buckets.indices.to_numpy()
     n = len(names)
     ok = pc.cast(pc.equal(t["status"], "ok"), pa.int64())
+    counted = pc.cast(once_a_request(t), pa.int64())
     sums = {"rows": np.bincount(code, minlength=n).tolist(), "ok": _per_bucket(code, n, ok),
-            "prompt_tokens": _per_bucket(code, n, pc.multiply(ok, pc.cast(t["prompt_tokens"], pa.int64()))),
-            "cached_tokens": _per_bucket(code, n, t["cached_tokens"]),
+            "prompt_tokens": _per_bucket(code, n, pc.multiply(counted, pc.cast(t["prompt_tokens"], pa.int64()))),
+            "cached_tokens": _per_bucket(code, n, pc.multiply(counted, pc.cast(t["cached_tokens"], pa.int64()))),
             "completion_tokens": _per_bucket(code, n, t["completion_tokens"]),
             "spec_rounds": _per_bucket(code, n, t["spec_rounds"]),
             "spec_accepted": _per_bucket(code, n, t["spec_accepted"]),
