@@ -372,22 +372,32 @@ def validate(job_file: str, no_inputs: bool) -> None:
 @main.command("plan")
 @click.argument("job_file", type=click.Path(dir_okay=False, exists=True))
 @click.option("--gpu-memory", help="The GPU: h100, h200, b200, gb300 or its memory in GB (default: the "
-              "job's engine.gpu_memory).")
-@click.option("--gpus-per-node", type=int, default=8, show_default=True)
+              "job's engine.gpu_memory); a named one gets the roofline too.")
+@click.option("--gpus-per-node", type=int, help="GPUs an NVLink domain joins (default: the named GPU's: 8 on "
+              "HGX, 72 on GB300 NVL72; else 8).")
 @click.option("--tensor-parallel", type=int, help="Plan at this many ranks (default: the job's).")
 @click.option("--reserve-gb", type=float, help="Memory no tensor shows (default: 6% of the GPU, at least 8 GB); "
               "the job's engine.gpu_memory_headroom is kept free beside it.")
 @click.option("--acc-len", type=float, default=4.6, show_default=True,
-              help="Acceptance length for the bandwidth ceiling (the model card's MATH-500 figure).")
-def plan_command(job_file: str, gpu_memory: str | None, gpus_per_node: int, tensor_parallel: int | None,
-                 reserve_gb: float | None, acc_len: float) -> None:
+              help="Acceptance length at every draft verified, for the roofline (the model card's MATH-500 "
+              "figure): alpha_j = p^j.")
+@click.option("--acceptance", "acceptance_dir", type=click.Path(file_okay=False, exists=True),
+              help="A finished run's output directory: the roofline's per-draft acceptance from its rounds "
+              "(dflash-batch report's alpha) instead of --acc-len.")
+@click.option("--roofline/--no-roofline", default=True, show_default=True,
+              help="With a named GPU, each bucket's floors a round by drafts verified, and the layouts.")
+def plan_command(job_file: str, gpu_memory: str | None, gpus_per_node: int | None, tensor_parallel: int | None,
+                 reserve_gb: float | None, acc_len: float, acceptance_dir: str | None, roofline: bool) -> None:
     """Memory per rank of JOB_FILE on a GPU, from its checkpoints' config.json alone (models built
     on the meta device): weights, each bucket's caches and activations in the layout the job runs
     (the MLA latents split where run and validate split them), its max_num_seqs beside the largest
     that fits with the reserve and engine.gpu_memory_headroom kept free, the smallest
-    tensor-parallel size that fits. The plan is for a CUDA GPU with the gpu extra installed,
-    whatever this host has. Exits 1 when the job does not fit."""
+    tensor-parallel size that fits. On a named GPU, the roofline: a round's floors (memory,
+    compute, network), the one that binds and the tokens/s per GPU for each number of drafts
+    verified, and the layouts side by side. The plan is for a CUDA GPU with the gpu extra
+    installed, whatever this host has. Exits 1 when the job does not fit."""
     from dflash_batch.job import gpu_bytes
+    from dflash_batch.plan.hardware import HARDWARE, hardware
     from dflash_batch.sizing import gb, plan_job, smallest_tp
 
     try:
@@ -401,17 +411,30 @@ def plan_command(job_file: str, gpu_memory: str | None, gpus_per_node: int, tens
             raise JobError("give --gpu-memory (or set engine.gpu_memory in the job)")
         try:
             gpu = gpu_bytes(memory)
+            hw = hardware(memory) if roofline and str(memory).strip().lower() in HARDWARE else None
         except ValueError as e:
             raise JobError(f"--gpu-memory: {e}") from None
+        if hw is not None:
+            try:
+                hw.peak(job.model.dtype)
+            except ValueError as e:
+                raise JobError(f"roofline: {e}; --no-roofline plans memory alone") from None
+        per_domain = gpus_per_node or (hw.nvlink_gpus if hw else 8)
         reserve = None if reserve_gb is None else int(reserve_gb * 10**9)
         job_dir = Path(job_file).parent
-        plan = plan_job(job, job_dir, gpu, tensor_parallel, reserve, gpu_kind=str(memory).strip().lower(),
-                        acc_len=acc_len, with_split=True)
+        plan = plan_job(job, job_dir, gpu, tensor_parallel, reserve, with_split=True)
+        alpha = _acceptance(acceptance_dir, acc_len, max(n.block for n in plan.runs.needs) - 1) if hw else None
         click.echo(plan.table())
-        nodes = -(-plan.tp // gpus_per_node)
-        click.echo(f"TP{plan.tp}: {nodes} node(s) of {gpus_per_node} GPUs a tensor-parallel group")
+        nodes = -(-plan.tp // per_domain)
+        click.echo(f"TP{plan.tp}: {nodes} NVLink domain(s) of {per_domain} GPUs a tensor-parallel group")
         least = smallest_tp(job, job_dir, gpu, reserve)
         click.echo(f"smallest tensor_parallel_size that fits one sequence a bucket: {least or 'none up to 64'}")
+        if hw is not None and plan.fits:
+            from dflash_batch.throughput import roofline as roofline_tables
+
+            click.echo(roofline_tables(plan, job, job_dir, hw, alpha, per_domain))
+        elif roofline and hw is None:
+            click.echo(f"roofline: name the GPU ({', '.join(HARDWARE)}) for its figures")
     except JobError as e:
         _fail(e)
     layout = f" {plan.layout()}" if plan.layout() else ""
@@ -420,6 +443,30 @@ def plan_command(job_file: str, gpu_memory: str | None, gpus_per_node: int, tens
                    err=True)
         sys.exit(1)
     click.echo(f"{job_file}: fits{layout}")
+
+
+def _acceptance(out_dir: str | None, acc_len: float, drafts: int) -> list[float]:
+    """alpha_1..alpha_drafts for the roofline: a finished run's (report's per-draft alpha over its
+    rounds), or from an acceptance length."""
+    from dflash_batch.io.ledger import array_spec
+    from dflash_batch.plan.roofline import card_acceptance
+
+    if out_dir is None:
+        try:
+            return card_acceptance(acc_len, drafts)
+        except ValueError as e:
+            raise JobError(f"--acc-len: {e}") from None
+    from dflash_batch.report import build_report
+
+    try:
+        alpha = build_report(Path(out_dir))["overall"]["alpha"]
+    except (FileNotFoundError, KeyError) as e:  # the message names the directory
+        raise JobError(f"--acceptance: {e}") from None
+    missing = [j for j, a in enumerate(alpha[:drafts], 1) if a is None] + list(range(len(alpha) + 1, drafts + 1))
+    if missing:
+        raise JobError(f"--acceptance {out_dir}: no acceptance recorded for draft(s) {array_spec(missing)} "
+                       f"of {drafts} (its rounds never verified them, or its parts predate per-draft stats)")
+    return alpha[:drafts]
 
 
 @main.command()

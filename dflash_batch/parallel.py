@@ -3,12 +3,18 @@
 Every rank runs the same program on the same inputs. Model layers ask this module for the
 rank and world size; with no process group initialised the world size is 1 and every
 collective is the identity, so the same model code runs single-process.
+
+Under `planned(size)` (the memory and roofline plans, on the meta device) there is no group:
+a collective returns what it would, in shape, and touches no other rank. Under `tallied()`
+each collective adds what this rank hands it (its payload, in bytes) to a Counter by kind:
+the plan counts a round's traffic from the engine's own calls (plan/work.py).
 """
 
 from __future__ import annotations
 
 import os
 import socket
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -17,6 +23,7 @@ import torch.distributed as dist
 
 
 _planned: int | None = None  # a world size models are built for without a group (sizing.py)
+_tally: Counter | None = None  # collectives' payloads by kind while tallied() (plan/work.py)
 
 
 def world_size() -> int:
@@ -27,14 +34,31 @@ def world_size() -> int:
 
 @contextmanager
 def planned(size: int) -> Iterator[None]:
-    """Build models as rank 0 of `size` ranks would hold them, without a process group: for
-    sizing a job on the meta device (collectives must not run inside)."""
+    """Build and run models as rank 0 of `size` ranks would, without a process group: for
+    planning a job on the meta device (collectives give their results' shapes, nothing more)."""
     global _planned
     previous, _planned = _planned, size
     try:
         yield
     finally:
         _planned = previous
+
+
+@contextmanager
+def tallied() -> Iterator[Counter]:
+    """Count the payload bytes this rank hands each kind of collective inside ("all_reduce",
+    "all_gather", "reduce_scatter": the tensor it passes in; "broadcast", "flag": host decisions)."""
+    global _tally
+    previous, _tally = _tally, Counter()
+    try:
+        yield _tally
+    finally:
+        _tally = previous
+
+
+def _add(kind: str, x: torch.Tensor) -> None:
+    if _tally is not None:
+        _tally[kind] += x.numel() * x.element_size()
 
 
 def rank() -> int:
@@ -46,7 +70,9 @@ def rank() -> int:
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum partial results of a row-parallel layer across ranks (in place)."""
     if world_size() > 1:
-        dist.all_reduce(x)
+        _add("all_reduce", x)
+        if _planned is None:
+            dist.all_reduce(x)
     return x
 
 
@@ -55,8 +81,10 @@ def all_gather_last(x: torch.Tensor) -> torch.Tensor:
     n = world_size()
     if n == 1:
         return x
+    _add("all_gather", x)
     parts = [torch.empty_like(x) for _ in range(n)]
-    dist.all_gather(parts, x.contiguous())
+    if _planned is None:
+        dist.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=-1)
 
 
@@ -66,9 +94,11 @@ def all_gather_dim1(x: torch.Tensor) -> torch.Tensor:
     n = world_size()
     if n == 1:
         return x
+    _add("all_gather", x)
     parts = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)  # ranks' x, stacked
-    # all_gather_single is all_gather_into_tensor's newer name (torch 2.13 warns on the old one).
-    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(parts, x.contiguous())
+    if _planned is None:
+        # all_gather_single is all_gather_into_tensor's newer name (torch 2.13 warns on the old one).
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(parts, x.contiguous())
     return parts.view(n, *x.shape).movedim(0, 1).flatten(1, 2)
 
 
@@ -78,7 +108,10 @@ def reduce_scatter_dim1(x: torch.Tensor) -> torch.Tensor:
     n = world_size()
     if n == 1:
         return x
+    _add("reduce_scatter", x)
     chunks = x.unflatten(1, (n, -1)).movedim(1, 0).contiguous()  # [ranks, T, h, ...]
+    if _planned is not None:
+        return chunks[0]
     if dist.get_backend() != "nccl":
         # gloo's reduce-scatter is an all-reduce and a copy inside the op (a capture cannot replay
         # it: tests/emulated_graphs.py): the all-reduce itself, this rank's chunk kept.
@@ -136,9 +169,10 @@ def _merged_top1(local: torch.Tensor, flag: torch.Tensor | None) -> tuple[torch.
 
 def any_rank(flag: bool) -> bool:
     """True on every rank if it is true on any (so all ranks take the same branch)."""
-    if world_size() == 1:
+    if world_size() == 1 or _planned is not None:
         return flag
     t = torch.tensor([int(flag)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    _add("flag", t)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
 
@@ -146,9 +180,10 @@ def any_rank(flag: bool) -> bool:
 def agreed(value: int) -> int:
     """Rank 0's value on every rank (a decision each rank could make differently: one timed
     on its own clock)."""
-    if world_size() == 1:
+    if world_size() == 1 or _planned is not None:
         return value
     t = torch.tensor([value], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    _add("broadcast", t)
     dist.broadcast(t, 0)
     return int(t.item())
 

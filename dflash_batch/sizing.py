@@ -28,6 +28,7 @@ import torch
 
 from dflash_batch import parallel
 from dflash_batch.backends.latent_split import LatentSplit
+from dflash_batch.backends.torch_attention import TorchAttention
 from dflash_batch.build import DTYPES, EngineSetup, resolve_engine, why_no_latent_split
 from dflash_batch.engine import choice
 from dflash_batch.engine.batch import DecodeBatch
@@ -39,7 +40,8 @@ from dflash_batch.job import Job, JobError, gpu_bytes
 from dflash_batch.models import activations
 from dflash_batch.models.loader import build_model
 from dflash_batch.plan.buckets import Bucket, plan_buckets
-from dflash_batch.plan.ceiling import CARD_ACC_LEN, HBM_TBPS, Ceiling, ceiling
+from dflash_batch.plan.roofline import memory_read
+from dflash_batch.plan.work import Work, round_work
 
 GB = 10**9
 TP_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
@@ -47,6 +49,7 @@ FLASHINFER_WORKSPACE = 256 << 20  # backends/flashinfer_attention.py's default
 # The host a plan is for, whatever the planning host has installed: a CUDA GPU with the gpu extra
 # (flashinfer, Triton, fla-core), so a login node and a GPU node give the same plan.
 GPU_HOST = dict(cuda=True, flashinfer=True, triton=True)
+ROUTED = "target weights uint8 (MXFP4 packed)"  # the routed experts, packed (weights' key)
 
 
 def gb(size: int) -> str:
@@ -91,14 +94,14 @@ class BucketNeed:
 @dataclass(frozen=True)
 class Layout:
     """The buckets with the MLA latents whole on every rank (`ways` 1) or split `ways` ways across
-    them by token (engine.context_parallel): each bucket's needs at its max_num_seqs, the largest
-    max_num_seqs that fits, and on a GPU of known bandwidth the ceiling at that batch (None: not
-    even one sequence fits)."""
+    them by token (engine.context_parallel): each bucket's needs at its max_num_seqs and the
+    largest max_num_seqs that fits; `sizer` holds the models it was sized with (the roofline
+    counts their rounds: throughput.py)."""
 
     ways: int
     needs: list[BucketNeed]
     largest: list[int]
-    ceilings: list[Ceiling | None] | None = None
+    sizer: Sizer = dataclasses.field(repr=False, compare=False, default=None)
 
     @property
     def name(self) -> str:
@@ -116,7 +119,6 @@ class Plan:
     split: Layout | None = None  # split across the ranks (None: not asked, or the pair or TP size cannot)
     setting: bool | None = None  # engine.context_parallel (None: absent)
     decides: bool = True         # with the setting absent, the plan decides the split (engine.gpu_memory set)
-    acc_len: float = CARD_ACC_LEN
 
     @property
     def base(self) -> int:
@@ -165,7 +167,7 @@ class Plan:
 
     def table(self) -> str:
         """The plan in the layout the job runs, then each bucket in the other (where the latents can
-        split) and its bandwidth ceilings."""
+        split)."""
         layout = f", {self.layout()}" if self.layout() else ""
         lines = [*self.notes, f"per rank, TP{self.tp}, on a GPU of {gb(self.gpu)} GB{layout}:"]
         lines += [f"  {name:<40} {size / GB:>8.2f} GB" for name, size in {**self.weights, **self.fixed}.items()]
@@ -185,22 +187,19 @@ class Plan:
                 lines += [f"  bucket {need.bucket.name}:", *more]
         return "\n".join(lines)
 
+    @property
+    def other(self) -> Layout | None:
+        """The layout the job does not run, where the latents can split."""
+        return self.whole if self.runs is self.split else self.split
+
     def _beside(self, i: int) -> list[str]:
-        """Bucket i in the layout the job does not run (where there is one), and its ceilings."""
-        runs = self.runs
-        other = self.whole if runs is self.split else self.split
-        lines = []
-        if other is not None:
-            need = other.needs[i]
-            lines.append(f"    {other.name}: caches {need.caches / GB:.2f} at {need.bucket.max_num_seqs} seqs, total "
-                         f"{(self.base + need.total) / GB:.2f}, fits {'yes' if self.holds(need) else 'NO'}; "
-                         f"largest seqs {other.largest[i]}")
-        for each in (runs, other) if other else (runs,):
-            at = each.ceilings[i] if each.ceilings else None
-            label = f", {each.name}{' (as run)' if each is runs else ''}" if other else ""
-            if at is not None:
-                lines.append(f"    bandwidth ceiling{label}: {at.describe(self.acc_len)}")
-        return lines
+        """Bucket i in the layout the job does not run (where there is one)."""
+        if self.other is None:
+            return []
+        need = self.other.needs[i]
+        return [f"    {self.other.name}: caches {need.caches / GB:.2f} at {need.bucket.max_num_seqs} seqs, total "
+                f"{(self.base + need.total) / GB:.2f}, fits {'yes' if self.holds(need) else 'NO'}; "
+                f"largest seqs {self.other.largest[i]}"]
 
 
 def held_besides_buckets(weights: dict[str, int], fixed: dict[str, int]) -> int:
@@ -238,7 +237,7 @@ _COMPONENTS = {("GatedMLA", "cache"): "MLA latent", ("KDA", "state"): "KDA state
                **{(layer, kv): "K/V" for layer in ("Qwen3Attention", "DFlashAttention") for kv in ("k", "v")}}
 
 
-class _Sizer:
+class Sizer:
     """The job's models on the meta device at one tensor-parallel size, and an engine over them."""
 
     def __init__(self, job: Job, job_dir: Path, tp: int, setup: EngineSetup | None, latent_split: bool = False):
@@ -298,6 +297,31 @@ class _Sizer:
                 kind = "uint8 (MXFP4 packed)" if t.dtype == torch.uint8 else str(t.dtype).removeprefix("torch.")
                 out[f"{role} weights {kind}"] = out.get(f"{role} weights {kind}", 0) + t.nbytes
         return out
+
+    def work(self, bucket: Bucket, width: int, greedy: bool) -> Work:
+        """One round's work for one sequence of the bucket at its longest, verifying `width` rows
+        (plan/work.py; rounds of n sequences do n times this: tests/test_work.py), counted on the
+        torch backend with this layout's latent split."""
+        one = dataclasses.replace(bucket, max_num_seqs=1)
+        with parallel.planned(self.tp):
+            batch = self.engine.allocate(one)
+            step = self.engine.rounds[batch.block]
+            planned, step.attention = step.attention, TorchAttention(self.engine.split)
+            try:
+                return round_work(self.target, self.drafter, step, batch, 1, bucket.max_tokens,
+                                  min(width, batch.block), greedy)
+            finally:
+                step.attention = planned
+
+    def read(self, bucket: Bucket, seqs: int, width: int) -> int:
+        """Bytes a rank reads in a round of `seqs` sequences of the bucket verifying `width` rows:
+        its weights (of the routed experts, the share those tokens touch) and its caches."""
+        weights = self.weights()
+        routed = weights.get(ROUTED, 0)
+        config = self.target.config.get("text_config", self.target.config)
+        experts = (config.get("num_experts", 0), config.get("num_experts_per_token", 0)) if routed else (0, 0)
+        caches = self.need(dataclasses.replace(bucket, max_num_seqs=seqs)).caches
+        return memory_read(seqs * width, sum(weights.values()) - routed, routed, caches, *experts)
 
     def need(self, bucket: Bucket) -> BucketNeed:
         with parallel.planned(self.tp):
@@ -398,47 +422,29 @@ def _bytes(batch: DecodeBatch) -> int:
 
 
 def plan_job(job: Job, job_dir: Path, gpu: int, tp: int | None = None, reserve: int | None = None,
-             setup: EngineSetup | None = None, gpu_kind: str | None = None, acc_len: float = CARD_ACC_LEN,
-             with_split: bool = False) -> Plan:
+             setup: EngineSetup | None = None, with_split: bool = False) -> Plan:
     """The job's memory per rank at `tp` ranks (default: the job's), and the largest max_num_seqs
     per bucket that fits a GPU of `gpu` bytes with `reserve` (default: default_reserve) and the
     job's headroom kept free; `with_split`: also with the MLA latents split across the ranks, where
-    the pair and TP size allow; on a known `gpu_kind` (HBM_TBPS), each bucket's bandwidth ceiling
-    at those batches. `setup`: the engine settings to size (default: what a CUDA host with the gpu
-    extra runs, GPU_HOST)."""
+    the pair and TP size allow. `setup`: the engine settings to size (default: what a CUDA host
+    with the gpu extra runs, GPU_HOST)."""
     tp = job.model.tensor_parallel_size if tp is None else tp
     if tp < 1:
         raise JobError(f"a tensor-parallel size of {tp}: give 1 or more ranks")
-    sizer = _Sizer(job, job_dir, tp, setup)
+    sizer = Sizer(job, job_dir, tp, setup)
     weights, fixed = sizer.weights(), sizer.fixed(gpu, reserve)
     base, buckets = held_besides_buckets(weights, fixed), plan_buckets(job)
 
-    def layout(s: _Sizer) -> Layout:
+    def layout(s: Sizer) -> Layout:
         largest = [_largest(lambda n, b=b: fits(base, s.need(dataclasses.replace(b, max_num_seqs=n)), gpu))
                    for b in buckets]
-        ceilings = None
-        if gpu_kind in HBM_TBPS:
-            ceilings = [_ceiling(s, weights, b, n, gpu_kind, acc_len) for b, n in zip(buckets, largest)]
-        return Layout(s.split, [s.need(b) for b in buckets], largest, ceilings)
+        return Layout(s.split, [s.need(b) for b in buckets], largest, s)
 
     split = None
     if with_split and sizer.can_split():
-        split = layout(_Sizer(job, job_dir, tp, sizer.setup, latent_split=True))
+        split = layout(Sizer(job, job_dir, tp, sizer.setup, latent_split=True))
     return Plan(tp, gpu, weights, fixed, layout(sizer), sizer.notes, split, job.engine.context_parallel,
-                job.engine.gpu_memory is not None, acc_len)
-
-
-def _ceiling(sizer: _Sizer, weights: dict[str, int], bucket: Bucket, seqs: int, kind: str,
-             acc_len: float) -> Ceiling | None:
-    """The bucket's bandwidth ceiling at `seqs` sequences (None: not even one fits)."""
-    if seqs == 0:
-        return None
-    need = sizer.need(dataclasses.replace(bucket, max_num_seqs=seqs))
-    routed = weights.get("target weights uint8 (MXFP4 packed)", 0)  # the routed experts, packed
-    config = sizer.target.config.get("text_config", sizer.target.config)
-    experts = (config.get("num_experts", 0), config.get("num_experts_per_token", 0)) if routed else (0, 0)
-    return ceiling(seqs, need.block, sizer.tp, sum(weights.values()) - routed, routed, need.caches, HBM_TBPS[kind],
-                   acc_len, *experts)
+                job.engine.gpu_memory is not None)
 
 
 def _largest(fits, limit: int = 1 << 14) -> int:
@@ -462,10 +468,10 @@ def smallest_tp(job: Job, job_dir: Path, gpu: int, reserve: int | None = None, a
     setting = job.engine.context_parallel
     for tp in (t for t in TP_SIZES if t > above):
         try:
-            whole = _Sizer(job, job_dir, tp, None)
+            whole = Sizer(job, job_dir, tp, None)
             sizers = [] if setting is True else [whole]
             if setting is not False and whole.can_split():
-                sizers.append(_Sizer(job, job_dir, tp, whole.setup, latent_split=True))
+                sizers.append(Sizer(job, job_dir, tp, whole.setup, latent_split=True))
         except JobError:  # a width that does not split over tp ranks
             continue
         buckets = [b if as_written else dataclasses.replace(b, max_num_seqs=1) for b in plan_buckets(job)]

@@ -18,8 +18,8 @@ from torch import nn
 
 from dflash_batch import parallel
 from dflash_batch.backends.meta import AttnMeta
-from dflash_batch.kernels import ops
-from dflash_batch.kernels.moe_mxfp4 import routed_sum, situ
+from dflash_batch.kernels import moe_mxfp4, ops
+from dflash_batch.kernels.moe_mxfp4 import situ
 from dflash_batch.models.layers.dtypes import wide, wide_dtype
 from dflash_batch.models.layers.kda import kda_gate, kda_kernels, l2norm, short_conv
 from dflash_batch.models.layers.linear import (
@@ -62,7 +62,8 @@ class DenseExperts(nn.ModuleList):
     """Routed experts stored in the compute dtype, applied one expert at a time."""
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return routed_sum(x, ids, weights, x.shape[-1], len(self), lambda e, xe: self[e](xe))
+        # Through the module: the plan counts a round on the meta device with its own (plan/work.py).
+        return moe_mxfp4.routed_sum(x, ids, weights, x.shape[-1], len(self), lambda e, xe: self[e](xe))
 
 
 class Router(nn.Module):
