@@ -16,6 +16,7 @@ import orjson
 
 from dflash_batch.io.outputs import output_json_schema
 from dflash_batch.job import Job, JobError, job_json_schema, load_job
+from dflash_batch.plan.roofline import CARD_ACC_LEN
 from dflash_batch.plan.shards import COUNT_VAR, K8S_INDEX, SLURM_VARS, Shard, parse_shard, resolve_shard
 
 if TYPE_CHECKING:
@@ -378,7 +379,7 @@ def validate(job_file: str, no_inputs: bool) -> None:
 @click.option("--tensor-parallel", type=int, help="Plan at this many ranks (default: the job's).")
 @click.option("--reserve-gb", type=float, help="Memory no tensor shows (default: 6% of the GPU, at least 8 GB); "
               "the job's engine.gpu_memory_headroom is kept free beside it.")
-@click.option("--acc-len", type=float, default=4.6, show_default=True,
+@click.option("--acc-len", type=float, default=CARD_ACC_LEN, show_default=True,
               help="Acceptance length at every draft verified, for the roofline (the model card's MATH-500 "
               "figure): alpha_j = p^j.")
 @click.option("--acceptance", "acceptance_dir", type=click.Path(file_okay=False, exists=True),
@@ -419,7 +420,13 @@ def plan_command(job_file: str, gpu_memory: str | None, gpus_per_node: int | Non
                 hw.peak(job.model.dtype)
             except ValueError as e:
                 raise JobError(f"roofline: {e}; --no-roofline plans memory alone") from None
+        if acceptance_dir is not None and hw is None:
+            raise JobError(f"--acceptance is for the roofline: name the GPU ({', '.join(HARDWARE)}) with "
+                           "--gpu-memory or engine.gpu_memory, and leave --no-roofline out")
         per_domain = gpus_per_node or (hw.nvlink_gpus if hw else 8)
+        tp = tensor_parallel or job.model.tensor_parallel_size
+        if hw is not None and tp > per_domain and tp % per_domain:
+            raise JobError(f"TP{tp} does not fill NVLink domains of {per_domain} GPUs evenly (--gpus-per-node)")
         reserve = None if reserve_gb is None else int(reserve_gb * 10**9)
         job_dir = Path(job_file).parent
         plan = plan_job(job, job_dir, gpu, tensor_parallel, reserve, with_split=True)
@@ -433,7 +440,9 @@ def plan_command(job_file: str, gpu_memory: str | None, gpus_per_node: int | Non
             from dflash_batch.throughput import roofline as roofline_tables
 
             click.echo(roofline_tables(plan, job, job_dir, hw, alpha, per_domain))
-        elif roofline and hw is None:
+        elif hw is not None:
+            click.echo("roofline: none, the job does not fit")
+        elif roofline:
             click.echo(f"roofline: name the GPU ({', '.join(HARDWARE)}) for its figures")
     except JobError as e:
         _fail(e)
@@ -451,6 +460,8 @@ def _acceptance(out_dir: str | None, acc_len: float, drafts: int) -> list[float]
     from dflash_batch.io.ledger import array_spec
     from dflash_batch.plan.roofline import card_acceptance
 
+    if drafts == 0:  # no bucket speculates: nothing to accept
+        return []
     if out_dir is None:
         try:
             return card_acceptance(acc_len, drafts)

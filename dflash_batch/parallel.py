@@ -46,14 +46,19 @@ def planned(size: int) -> Iterator[None]:
 
 @contextmanager
 def tallied() -> Iterator[Counter]:
-    """Count the payload bytes this rank hands each kind of collective inside ("all_reduce",
-    "all_gather", "reduce_scatter": the tensor it passes in; "broadcast", "flag": host decisions)."""
+    """Count the payload bytes this rank hands each kind of collective a model or round runs inside
+    ("all_reduce", "all_gather", "reduce_scatter": the tensor it passes in)."""
     global _tally
     previous, _tally = _tally, Counter()
     try:
         yield _tally
     finally:
         _tally = previous
+
+
+def tally() -> Counter | None:
+    """The payloads counted so far inside tallied() (None outside)."""
+    return _tally
 
 
 def _add(kind: str, x: torch.Tensor) -> None:
@@ -172,7 +177,6 @@ def any_rank(flag: bool) -> bool:
     if world_size() == 1 or _planned is not None:
         return flag
     t = torch.tensor([int(flag)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    _add("flag", t)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
 
@@ -183,7 +187,6 @@ def agreed(value: int) -> int:
     if world_size() == 1 or _planned is not None:
         return value
     t = torch.tensor([value], device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    _add("broadcast", t)
     dist.broadcast(t, 0)
     return int(t.item())
 

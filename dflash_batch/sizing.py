@@ -49,7 +49,8 @@ FLASHINFER_WORKSPACE = 256 << 20  # backends/flashinfer_attention.py's default
 # The host a plan is for, whatever the planning host has installed: a CUDA GPU with the gpu extra
 # (flashinfer, Triton, fla-core), so a login node and a GPU node give the same plan.
 GPU_HOST = dict(cuda=True, flashinfer=True, triton=True)
-ROUTED = "target weights uint8 (MXFP4 packed)"  # the routed experts, packed (weights' key)
+PACKED = "uint8 (MXFP4 packed)"  # the routed experts' weights as a rank holds them
+ROUTED = f"target weights {PACKED}"  # their key in Sizer.weights
 
 
 def gb(size: int) -> str:
@@ -101,7 +102,7 @@ class Layout:
     ways: int
     needs: list[BucketNeed]
     largest: list[int]
-    sizer: Sizer = dataclasses.field(repr=False, compare=False, default=None)
+    sizer: Sizer | None = dataclasses.field(repr=False, compare=False, default=None)
 
     @property
     def name(self) -> str:
@@ -294,34 +295,45 @@ class Sizer:
         out: dict[str, int] = {}
         for role, model in (("target", self.target), ("drafter", self.drafter)):
             for t in [*model.parameters(), *model.buffers()] if model else []:
-                kind = "uint8 (MXFP4 packed)" if t.dtype == torch.uint8 else str(t.dtype).removeprefix("torch.")
+                kind = PACKED if t.dtype == torch.uint8 else str(t.dtype).removeprefix("torch.")
                 out[f"{role} weights {kind}"] = out.get(f"{role} weights {kind}", 0) + t.nbytes
         return out
 
-    def work(self, bucket: Bucket, width: int, greedy: bool) -> Work:
-        """One round's work for one sequence of the bucket at its longest, verifying `width` rows
-        (plan/work.py; rounds of n sequences do n times this: tests/test_work.py), counted on the
-        torch backend with this layout's latent split."""
+    @property
+    def config(self) -> dict:
+        """The target's (text) config."""
+        return self.target.config.get("text_config", self.target.config)
+
+    def sampled(self) -> bool:
+        """Whether the job's rounds choose tokens by sampling (a row may ask to), not greedily."""
+        return self.job.sampling.temperature > 0 or self.job.input.rows_may_set("temperature")
+
+    def work(self, bucket: Bucket, width: int) -> Work:
+        """One round's work for one sequence of the bucket at its longest, verifying `width` rows,
+        with what the job's rows ask of the batch (logprobs, penalties, bias, sampling), counted on
+        the torch backend with this layout's latent split (plan/work.py; rounds of n rows do n times
+        this: tests/test_work.py)."""
         one = dataclasses.replace(bucket, max_num_seqs=1)
         with parallel.planned(self.tp):
             batch = self.engine.allocate(one)
+            self._grow(batch)
             step = self.engine.rounds[batch.block]
             planned, step.attention = step.attention, TorchAttention(self.engine.split)
             try:
                 return round_work(self.target, self.drafter, step, batch, 1, bucket.max_tokens,
-                                  min(width, batch.block), greedy)
+                                  min(width, batch.block), not self.sampled())
             finally:
                 step.attention = planned
 
-    def read(self, bucket: Bucket, seqs: int, width: int) -> int:
-        """Bytes a rank reads in a round of `seqs` sequences of the bucket verifying `width` rows:
-        its weights (of the routed experts, the share those tokens touch) and its caches."""
+    def read(self, bucket: Bucket, seqs: int, tokens: int) -> int:
+        """Bytes a rank reads in a round of `seqs` sequences of the bucket with `tokens` target rows
+        (padding rows included): its weights (of the routed experts, the share those rows touch)
+        and its caches."""
         weights = self.weights()
         routed = weights.get(ROUTED, 0)
-        config = self.target.config.get("text_config", self.target.config)
-        experts = (config.get("num_experts", 0), config.get("num_experts_per_token", 0)) if routed else (0, 0)
+        experts = (self.config.get("num_experts", 0), self.config.get("num_experts_per_token", 0)) if routed else (0, 0)
         caches = self.need(dataclasses.replace(bucket, max_num_seqs=seqs)).caches
-        return memory_read(seqs * width, sum(weights.values()) - routed, routed, caches, *experts)
+        return memory_read(tokens, sum(weights.values()) - routed, routed, caches, *experts)
 
     def need(self, bucket: Bucket) -> BucketNeed:
         with parallel.planned(self.tp):

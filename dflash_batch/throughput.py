@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from pathlib import Path
 
-from dflash_batch.job import Job
+from dflash_batch.job import Job, JobError
 from dflash_batch.plan.buckets import Bucket
 from dflash_batch.plan.hardware import Hardware
 from dflash_batch.plan.roofline import Floors, expected_tokens, floors, tokens_per_gpu
@@ -28,8 +28,9 @@ from dflash_batch.plan.work import Work
 from dflash_batch.sizing import Layout, Plan, Sizer
 
 BOUND = ("floors a round, a rank's (ms): memory = bytes read / HBM peak, compute = FLOPs / dense peak, "
-         "network = collective bytes / NVLink and NIC; a bound, not a prediction: the floors may overlap, "
-         "and kernels run below their peaks")
+         "network = the longer of NVLink's and the NIC's collective bytes / bandwidth (ring algorithms: NCCL's "
+         "NVLS moves about half NVLink's); a bound, not a prediction: the floors may overlap, and kernels run "
+         "below their peaks")
 
 
 @dataclass(frozen=True)
@@ -58,29 +59,30 @@ class Roofline:
     def __init__(self, plan: Plan, job: Job, job_dir: Path, hw: Hardware, alpha: list[float], per_domain: int):
         self.plan, self.job, self.job_dir, self.hw, self.alpha = plan, job, job_dir, hw, alpha
         self.per_domain, self.dtype = per_domain, job.model.dtype
-        self.greedy = job.sampling.temperature == 0
-        self.works: dict[tuple[int, int, int], Work] = {}  # (sizer id, bucket, width) -> one sequence's
+        self.works: dict[tuple[int, int, int], Work] = {}  # (sizer id, bucket index, width) -> one row's
         self.stage_sizer: Sizer | None = None  # the models at a pipeline stage's TP size (staged)
         hw.peak(self.dtype)  # a GPU without a figure for the dtype: refused before any counting
 
     def _work(self, sizer: Sizer, i: int, bucket: Bucket, width: int) -> Work:
+        """One row's round (the sizers live as long as the plan: their ids key the cache)."""
         key = (id(sizer), i, width)
         if key not in self.works:
-            self.works[key] = sizer.work(bucket, width, self.greedy)
+            self.works[key] = sizer.work(bucket, width)
         return self.works[key]
 
     def on(self, layout: Layout, i: int, seqs: int, k: int) -> RoundAt:
-        """Bucket i's round on the job's tensor-parallel group in `layout`."""
+        """Bucket i's round of `seqs` sequences verifying k drafts on the job's tensor-parallel group
+        in `layout` (the rows a round pads to, its capture size, work as sequences do)."""
         bucket, sizer, tp = layout.needs[i].bucket, layout.sizer, self.plan.tp
-        width = k + 1
-        work = self._work(sizer, i, bucket, width).times(seqs)
-        at = floors(sizer.read(bucket, seqs, width), work, self.hw, self.dtype, tp, self.per_domain)
+        rows, width = sizer.engine.padded(seqs), k + 1
+        work = self._work(sizer, i, bucket, width).times(rows)
+        at = floors(sizer.read(bucket, seqs, rows * width), work, self.hw, self.dtype, tp, self.per_domain)
         tokens = expected_tokens(self.alpha, k)
         return RoundAt(seqs, k, tokens, at, tokens_per_gpu(seqs, tokens, at, tp))
 
     def by_k(self, layout: Layout, i: int, seqs: int) -> list[RoundAt]:
-        block = layout.needs[i].block
-        return [self.on(layout, i, seqs, k) for k in range(block)]
+        """Bucket i's round at each number of drafts its block may verify."""
+        return [self.on(layout, i, seqs, k) for k in range(layout.needs[i].block)]
 
     def staged(self, i: int, seqs: int, k: int) -> tuple[str, RoundAt] | None:
         """Bucket i's round with pipeline stages across NVLink domains (None: one domain holds the
@@ -89,11 +91,15 @@ class Roofline:
         if tp <= g or tp % g:
             return None
         stages, runs = tp // g, self.plan.runs
-        sizer = self._stage_sizer()
+        try:
+            sizer = self._stage_sizer()
+        except JobError:  # a width that does not split over a domain's ranks: no such layout
+            return None
         bucket, width = runs.needs[i].bucket, k + 1
         micro = -(-seqs // stages)  # sequences a micro-batch: as many micro-batches as stages
         work = self._work(sizer, i, bucket, width).times(micro / stages)
-        weights = sizer.read(bucket, micro, width) - sizer.need(dataclasses.replace(bucket, max_num_seqs=micro)).caches
+        caches = sizer.need(dataclasses.replace(bucket, max_num_seqs=micro)).caches
+        weights = sizer.read(bucket, micro, micro * width) - caches  # the touched experts of a micro-batch
         read = weights / stages + sizer.need(dataclasses.replace(bucket, max_num_seqs=seqs)).caches / stages / stages
         inside = floors(int(read), work, self.hw, self.dtype, g, g)
         hand_off = micro * width * self._hand_off_row(sizer, stages) / g  # each rank of a stage sends its share
@@ -116,14 +122,17 @@ class Roofline:
 
     def _hand_off_row(self, sizer: Sizer, stages: int) -> int:
         """Bytes a stage boundary passes on a target row: its hidden state, the attention-residual
-        blocks written so far (Kimi-K3) and the drafter's taps so far, at the first boundary."""
-        config = sizer.target.config.get("text_config", sizer.target.config)
-        boundary = config["num_hidden_layers"] // stages
-        blocks = boundary // config["attn_res_block_size"] + 1 if "attn_res_block_size" in config else 0
+        blocks written before it (Kimi-K3: one every attn_res_block_size layers, from layer 0) and
+        the drafter's taps before it, at the last boundary (the most of them)."""
+        config = sizer.config
+        boundary = config["num_hidden_layers"] * (stages - 1) // stages
+        blocks = -(-boundary // config["attn_res_block_size"]) if "attn_res_block_size" in config else 0
         taps = sum(t < boundary for t in getattr(sizer.target, "tap_ids", []))
         return config["hidden_size"] * sizer.dtype_bytes * (1 + blocks + taps)
 
     def table(self) -> str:
+        """Each bucket's round by k in the layout run, at the job's sequences, its best k there and at
+        the largest that fits, and the layouts side by side at that k."""
         plan, runs = self.plan, self.plan.runs
         label = f", {plan.layout()}" if plan.layout() else ""
         lines = [f"roofline on {self.hw.name}, TP{plan.tp} ({self.per_domain} GPUs an NVLink domain){label}:",
@@ -147,7 +156,8 @@ class Roofline:
         return "\n".join(lines)
 
     def _layouts(self, i: int, k: int) -> list[str]:
-        """Bucket i on each layout at k drafts, each at the largest batch it holds (the job's for stages)."""
+        """Bucket i on each layout at k drafts: the one run and stages at the job's sequences, the
+        other tensor-parallel one at the largest batch it holds."""
         plan = self.plan
         seqs = plan.runs.needs[i].bucket.max_num_seqs
         rows = [(f"TP{plan.tp}, {plan.runs.name} (as run)", self.on(plan.runs, i, seqs, k))]

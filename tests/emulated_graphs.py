@@ -32,7 +32,6 @@ from torch.utils._pytree import tree_flatten
 import dflash_batch.backends.flashinfer_attention as flashinfer_attention
 from dflash_batch.engine.graphs import RoundGraphs
 from dflash_batch.kernels import moe_mxfp4
-import dflash_batch.models.kimi_k3 as kimi_k3
 
 aten = torch.ops.aten
 HOST_READS = ("tolist", "numpy", "cpu")  # host copies no dispatch shows for a CPU tensor
@@ -179,14 +178,14 @@ class EmulatedGraphs(RoundGraphs):
             self.step(self.batch, size, greedy, self.max_kv, width)
         graph = Capture()
         # The backend takes its graph wrappers; the CPU's MoE its capturable form.
-        saved = flashinfer_attention.capturing, moe_mxfp4.routed_sum, kimi_k3.routed_sum
+        saved = flashinfer_attention.capturing, moe_mxfp4.routed_sum
         flashinfer_attention.capturing = lambda device: True
-        moe_mxfp4.routed_sum = kimi_k3.routed_sum = every_expert
+        moe_mxfp4.routed_sum = every_expert
         try:
             with graph.record():
                 self.step(self.batch, size, greedy, self.max_kv, width)
         finally:
-            flashinfer_attention.capturing, moe_mxfp4.routed_sum, kimi_k3.routed_sum = saved
+            flashinfer_attention.capturing, moe_mxfp4.routed_sum = saved
         self.graphs[(size, greedy, width)] = graph
 
     def replay(self, size: int, greedy: bool, width: int | None = None) -> None:

@@ -191,7 +191,7 @@ class Engine:
                             q.decode(seq, batch)
                         finished = [s for s in finished if s.finish_reason]
                     else:
-                        size = self._padded(max(i for i, s in enumerate(q.running) if s is not None) + 1)
+                        size = self.padded(max(i for i, s in enumerate(q.running) if s is not None) + 1)
                         plan = block - 1 if schedule is None else schedule.plan(size)
                         if schedule is not None and schedule.pinned is None:
                             plan = parallel.agreed(plan)  # each rank timed its own rounds
@@ -304,7 +304,7 @@ class Engine:
             cache_bytes += self.drafter.allocate_cache(num_slots, self.dtype, self.device,
                                                        ring.slots(seqs, self.page_size) if ring else None,
                                                        **_split(split))
-        rows = self._padded(seqs)
+        rows = self.padded(seqs)
         if self.recurrent:  # a state slot per row; slot `seqs` is the padding rows' scratch
             self.target.allocate_state(seqs + 1, rows, block, self.device)
         # What the last bucket's requests made its batch grow is allocated at once: no second regrowth.
@@ -360,8 +360,8 @@ class Engine:
         """The batch sizes rounds run at, as a cost table keeps them: the capture sizes, else powers
         of two and the bucket's max_num_seqs."""
         if self.capture_sizes:
-            return sorted({self._padded(s) for s in self.capture_sizes if s <= seqs} | {self._padded(seqs)})
-        return sorted({self._padded(min(2 ** i, seqs)) for i in range(seqs.bit_length() + 1)})
+            return sorted({self.padded(s) for s in self.capture_sizes if s <= seqs} | {self.padded(seqs)})
+        return sorted({self.padded(min(2 ** i, seqs)) for i in range(seqs.bit_length() + 1)})
 
     def _time_round(self, batch: DecodeBatch, step: Round, graphs: RoundGraphs | None, size: int,
                     width: int) -> float:
@@ -420,7 +420,7 @@ class Engine:
         self.ring, self.rings = None, NO_RINGS
         return one, self.rounds[1], graphs
 
-    def _padded(self, n: int) -> int:
+    def padded(self, n: int) -> int:
         """The batch size a round of n sequences runs at: the next capture size, if any fits
         (compiled rounds run at 2 or more: size 1 would be specialised and compiled again)."""
         return next((s for s in self.capture_sizes or () if s >= n), max(n, 2) if self.compile else n)
@@ -607,7 +607,7 @@ class Engine:
         padding), verifying `width` rows a sequence; extends each sequence with what it
         emitted. Returns the drafts each speculating sequence kept, with it."""
         n = max(i for i, s in enumerate(running) if s is not None) + 1
-        size = self._padded(n)
+        size = self.padded(n)
         greedy = all(s.plain_greedy for s in running[:n] if s is not None)
         constrained = any(s is not None and s.matcher is not None for s in running[:n])
         positions = [s.position if s is not None else 0 for s in running[:n]]

@@ -62,7 +62,7 @@ class DenseExperts(nn.ModuleList):
     """Routed experts stored in the compute dtype, applied one expert at a time."""
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        # Through the module: the plan counts a round on the meta device with its own (plan/work.py).
+        # Through the module, which the plan (plan/work.py) swaps on the meta device.
         return moe_mxfp4.routed_sum(x, ids, weights, x.shape[-1], len(self), lambda e, xe: self[e](xe))
 
 

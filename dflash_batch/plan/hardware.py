@@ -9,10 +9,12 @@ divides by (plan/roofline.py). Peaks, from NVIDIA's datasheets; a round runs bel
 | GB300 (NVL72) | 8 | 2,500 / 5,000 / 15,000 | 900 | 72 (the rack) | 100 (ConnectX-8, 800 Gb/s) |
 
 Sources: H100 and H200 datasheets (nvidia.com/en-us/data-center/h100, /h200: "FP8 3,958 TFLOPS"
-and "BF16 1,979 TFLOPS" are with sparsity, dense is half); HGX B200 datasheet (36 PFLOPS FP16/BF16
-and 72 FP8, sparse, for 8 GPUs); GB300 NVL72 (../shared/reference/scaling_out.md section 5: dense
-FP4 15, FP8 5, BF16 2.5 PFLOPS a GPU; 8 TB/s); NVLink 4 and 5 and ConnectX-7/8 product pages. The
-NIC is one a GPU, as HGX and NVL72 systems are built.
+and "BF16 1,979 TFLOPS" are with sparsity, dense is half); HGX B200 datasheet (for 8 GPUs, with
+sparsity: FP4 144, FP8 72, FP16/BF16 36 PFLOPS; dense is half); GB300 NVL72 figures as gathered in
+the project's reference notes from NVIDIA's and resellers' pages (../shared/reference/scaling_out.md,
+section 5: dense FP4 15, FP8 5, BF16 2.5 PFLOPS a GPU; 8 TB/s); NVLink 4 and 5 and ConnectX-7/8
+product pages. The NIC is one a GPU, as HGX and NVL72 systems are built. The FP8 and FP4 peaks are
+for reference: every matmul the engine runs is in the model's dtype (COMPUTE_DTYPE).
 """
 
 from __future__ import annotations

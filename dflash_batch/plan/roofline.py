@@ -7,8 +7,10 @@ A round cannot take less than the longest of three times, each a rank's own:
 - compute: the FLOPs of its matmuls and attention (plan/work.py counts them from the engine's own
   round) over the GPU's dense peak for the dtype they run in;
 - network: the bytes its collectives move on each link (NVLink inside a domain, the NIC across
-  domains) over that link's bandwidth, by the algorithms NCCL runs (ring inside a domain,
-  hierarchical across: link_bytes).
+  domains) over that link's bandwidth, the longer of the two (they run at once), by ring
+  algorithms inside a domain and hierarchical ones across (link_bytes). NCCL may pick others:
+  NVLink SHARP (NVLS) on NVSwitch systems reduces in the switch and moves about half a ring
+  all-reduce's NVLink bytes, so there the network floor is up to 2x lower.
 They are floors, not a prediction: kernels run below their peaks, and where the three overlap
 the round takes their maximum, where they do not, up to their sum. Tokens per second per GPU =
 sequences x tokens a round yields / the largest floor / GPUs of the group.
@@ -22,9 +24,12 @@ draft yields it).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from dflash_batch.plan.hardware import Hardware
-from dflash_batch.plan.work import Work
+
+if TYPE_CHECKING:  # the plan's command line reads this module without torch
+    from dflash_batch.plan.work import Work
 
 # The model card's acceptance length on MATH-500 (lightseekorg/kimi-k3-dflash2: GSM8K 5.9,
 # MATH-500 4.6, AIME and writing 2.8, ~4.8 at 128k).
@@ -50,18 +55,21 @@ def link_bytes(collectives: dict[str, int], ranks: int, per_domain: int) -> tupl
     moves 2(g-1)/g of its payload, a reduce-scatter (g-1)/g, an all-gather g-1 payloads; across N
     domains the hierarchical algorithms run the domain part on NVLink and the cross part on each
     GPU's NIC, over its 1/g share: all-reduce 2(N-1)/N of payload/g, reduce-scatter (N-1)/N of it,
-    all-gather N-1 payloads (then g-1 of the N gathered on NVLink)."""
+    all-gather N-1 payloads (then g-1 of the N gathered on NVLink). The domains are equal: a
+    group that does not fill each of its domains is refused."""
     g = min(ranks, per_domain)
-    n = -(-ranks // g)  # domains
+    if ranks % g:
+        raise ValueError(f"{ranks} ranks do not fill NVLink domains of {per_domain} GPUs evenly")
+    n = ranks // g  # domains
     nvlink = nic = 0.0
     for kind, payload in collectives.items():
-        if kind in ("all_reduce", "flag"):
+        if kind == "all_reduce":
             nvlink += 2 * (g - 1) / g * payload
             nic += 2 * (n - 1) / n * payload / g
         elif kind == "reduce_scatter":
             nvlink += (g - 1) / g * payload
             nic += (n - 1) / n * payload / g
-        elif kind in ("all_gather", "broadcast"):
+        elif kind == "all_gather":
             nvlink += (g - 1) * n * payload
             nic += (n - 1) * payload
         else:
@@ -80,7 +88,9 @@ class Floors:
 
     @property
     def network(self) -> float:
-        return self.nvlink + self.nic
+        """NVLink and the NIC carry their shares at once (NCCL pipelines a hierarchical collective's
+        stages): the longer of the two."""
+        return max(self.nvlink, self.nic)
 
     @property
     def seconds(self) -> float:
@@ -118,4 +128,6 @@ def expected_tokens(alpha: list[float], k: int) -> float:
 
 
 def tokens_per_gpu(seqs: int, tokens: float, at: Floors, gpus: int) -> float:
+    """The group's tokens a second, a GPU's share: `seqs` sequences yielding `tokens` each a round
+    of at.seconds, over `gpus` GPUs."""
     return seqs * tokens / at.seconds / gpus
