@@ -132,6 +132,7 @@ def _wrap(undo: ExitStack, owner, name: str, wrapper: Callable) -> None:
 
 
 def _as(counting: _Counting, where: str, method: Callable) -> Callable:
+    """`method`, its ops counted under `where` (outside any component)."""
     def run(*args, **kwargs):
         counting.where.append(where)
         try:
