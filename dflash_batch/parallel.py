@@ -8,6 +8,14 @@ Under `planned(size)` (the memory and roofline plans, on the meta device) there 
 a collective returns what it would, in shape, and touches no other rank. Under `tallied()`
 each collective adds what this rank hands it (its payload, in bytes) to a Counter by kind:
 the plan counts a round's traffic from the engine's own calls (plan/work.py).
+
+Pipeline stages (form_stages, model.pipeline_parallel_size): the ranks split into stages of
+equal size, stage s holding global ranks s * tp .. s * tp + tp - 1 (one node a stage under
+torchrun and srun, whose ranks count up node by node). Inside a stage the tensor-parallel
+collectives above run over the stage's ranks: world_size() and rank() are the stage's. Between
+stages, rank r of a stage hands its rows to rank r of the next (send_next / recv_prev), and the
+last stage's results reach every stage by from_last_stage. Decisions the whole run must share
+(any_rank, agreed, barrier) span every rank.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import socket
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -26,10 +35,94 @@ _planned: int | None = None  # a world size models are built for without a group
 _tally: Counter | None = None  # collectives' payloads by kind while tallied() (plan/work.py)
 
 
+@dataclass(frozen=True)
+class _Stages:
+    """This rank's place in the pipeline: its stage of `count`, the group of its stage's ranks
+    (tensor parallelism) and the group of its peers, one rank a stage (hand-offs, results)."""
+
+    count: int
+    index: int
+    size: int  # ranks a stage
+    group: dist.ProcessGroup
+    peers: dist.ProcessGroup
+
+
+_stages: _Stages | None = None
+
+
 def world_size() -> int:
+    """Ranks in this rank's tensor-parallel group (its stage's, under pipeline stages)."""
     if _planned is not None:
         return _planned
+    if _stages is not None:
+        return _stages.size
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _group() -> dist.ProcessGroup | None:
+    return _stages.group if _stages is not None else None
+
+
+def global_rank() -> int:
+    """This rank among every rank of the run (0 writes the outputs)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def form_stages(count: int) -> None:
+    """Split the run's ranks into `count` pipeline stages of equal size (every rank calls this,
+    in step: each group is made by all ranks). A count of 1 changes nothing."""
+    global _stages
+    if count == 1:
+        return
+    total = dist.get_world_size()
+    if total % count:
+        raise ValueError(f"{total} ranks do not split into {count} pipeline stages of equal size")
+    size, me = total // count, dist.get_rank()
+    groups = [dist.new_group(list(range(s * size, (s + 1) * size))) for s in range(count)]
+    peers = [dist.new_group(list(range(r, total, size))) for r in range(size)]
+    _stages = _Stages(count, me // size, size, groups[me // size], peers[me % size])
+
+
+def leave_stages() -> None:
+    """Forget the stages (their groups end with the process group: leave_group)."""
+    global _stages
+    _stages = None
+
+
+def stage() -> tuple[int, int]:
+    """(this rank's stage, stages): (0, 1) without pipeline stages."""
+    return (_stages.index, _stages.count) if _stages is not None and _planned is None else (0, 1)
+
+
+def last_stage() -> bool:
+    """This rank's stage holds the last layers: it has the logits, runs the drafter, decides."""
+    index, count = stage()
+    return index == count - 1
+
+
+def send_next(x: torch.Tensor) -> None:
+    """Hand `x` to this rank's peer on the next stage."""
+    _add("hand_off", x)
+    dist.send(x.contiguous(), dist.get_rank() + _stages.size)
+
+
+def recv_prev(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """What this rank's peer on the previous stage handed on (its shape known to both)."""
+    x = torch.empty(shape, dtype=dtype, device=device)
+    dist.recv(x, dist.get_rank() - _stages.size)
+    return x
+
+
+def from_last_stage(*tensors: torch.Tensor) -> None:
+    """Every stage's copies of `tensors` take the last stage's values (in place; contiguous
+    tensors of one shape on every stage). Nothing to do without stages."""
+    index, count = stage()
+    if count == 1:
+        return
+    last = (count - 1) * _stages.size + dist.get_rank() % _stages.size
+    for t in tensors:
+        _add("from_last_stage", t)
+        dist.broadcast(t, last, group=_stages.peers)
 
 
 @contextmanager
@@ -67,8 +160,11 @@ def _add(kind: str, x: torch.Tensor) -> None:
 
 
 def rank() -> int:
+    """This rank in its tensor-parallel group (its stage's, under pipeline stages)."""
     if _planned is not None:
         return 0
+    if _stages is not None:
+        return dist.get_rank() % _stages.size
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
@@ -77,7 +173,7 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     if world_size() > 1:
         _add("all_reduce", x)
         if _planned is None:
-            dist.all_reduce(x)
+            dist.all_reduce(x, group=_group())
     return x
 
 
@@ -89,7 +185,7 @@ def all_gather_last(x: torch.Tensor) -> torch.Tensor:
     _add("all_gather", x)
     parts = [torch.empty_like(x) for _ in range(n)]
     if _planned is None:
-        dist.all_gather(parts, x.contiguous())
+        dist.all_gather(parts, x.contiguous(), group=_group())
     return torch.cat(parts, dim=-1)
 
 
@@ -103,7 +199,8 @@ def all_gather_dim1(x: torch.Tensor) -> torch.Tensor:
     parts = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)  # ranks' x, stacked
     if _planned is None:
         # all_gather_single is all_gather_into_tensor's newer name (torch 2.13 warns on the old one).
-        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(parts, x.contiguous())
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(parts, x.contiguous(),
+                                                                             group=_group())
     return parts.view(n, *x.shape).movedim(0, 1).flatten(1, 2)
 
 
@@ -117,14 +214,15 @@ def reduce_scatter_dim1(x: torch.Tensor) -> torch.Tensor:
     chunks = x.unflatten(1, (n, -1)).movedim(1, 0).contiguous()  # [ranks, T, h, ...]
     if _planned is not None:
         return chunks[0]
-    if dist.get_backend() != "nccl":
+    if dist.get_backend(_group()) != "nccl":
         # gloo's reduce-scatter is an all-reduce and a copy inside the op (a capture cannot replay
         # it: tests/emulated_graphs.py): the all-reduce itself, this rank's chunk kept.
-        dist.all_reduce(chunks)
+        dist.all_reduce(chunks, group=_group())
         return chunks[rank()]
     out = torch.empty(chunks.shape[1:], dtype=x.dtype, device=x.device)
     # reduce_scatter_single is reduce_scatter_tensor's newer name (torch 2.13 warns on the old one).
-    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, chunks.flatten(0, 1))
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, chunks.flatten(0, 1),
+                                                                                 group=_group())
     return out
 
 
@@ -172,9 +270,14 @@ def _merged_top1(local: torch.Tensor, flag: torch.Tensor | None) -> tuple[torch.
     return ids, None if flag is None else merged[..., 2].min(-1).values > 0
 
 
+def _spread() -> bool:
+    """More than one rank in the run (any stage): decisions must be shared."""
+    return _planned is None and (_stages is not None or world_size() > 1)
+
+
 def any_rank(flag: bool) -> bool:
-    """True on every rank if it is true on any (so all ranks take the same branch)."""
-    if world_size() == 1 or _planned is not None:
+    """True on every rank of the run if it is true on any (so all ranks take the same branch)."""
+    if not _spread():
         return flag
     t = torch.tensor([int(flag)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -182,9 +285,9 @@ def any_rank(flag: bool) -> bool:
 
 
 def agreed(value: int) -> int:
-    """Rank 0's value on every rank (a decision each rank could make differently: one timed
-    on its own clock)."""
-    if world_size() == 1 or _planned is not None:
+    """Rank 0's value on every rank of the run (a decision each rank could make differently: one
+    timed on its own clock)."""
+    if not _spread():
         return value
     t = torch.tensor([value], device="cuda" if dist.get_backend() == "nccl" else "cpu")
     dist.broadcast(t, 0)
@@ -192,7 +295,7 @@ def agreed(value: int) -> int:
 
 
 def barrier() -> None:
-    if world_size() > 1:
+    if _spread():
         dist.barrier()
 
 
@@ -258,5 +361,9 @@ def leave_group() -> None:
 
 
 def describe_rank() -> str:
-    """"rank R of N on HOST": how a rank's messages name it in a log every rank writes to."""
-    return f"rank {rank()} of {world_size()} on {socket.gethostname()}"
+    """"rank R of N on HOST" ("rank R of N (stage S of P) on HOST" under pipeline stages): how a
+    rank's messages name it in a log every rank writes to."""
+    total = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    index, count = stage()
+    where = f" (stage {index} of {count})" if count > 1 else ""
+    return f"rank {global_rank()} of {total}{where} on {socket.gethostname()}"

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dflash_batch import parallel
 from dflash_batch.backends.latent_split import LatentSplit
 from dflash_batch.backends.torch_attention import TORCH, TorchAttention
 from dflash_batch.engine import choice
@@ -46,7 +47,7 @@ def generate(target_dir: str, drafter_dir: str, prompts: list[list[int]], sampli
     bucket = Bucket(0, "0-1024", 1024, 16, speculation, None)
     engine_module.RoundGraphs = EmulatedGraphs if graphs and device == "cpu" else RoundGraphs
     graph_args = dict(cuda_graphs=True, capture_sizes=[1, 2, 4, 16]) if graphs else {}
-    split = LatentSplit(dist.get_world_size(), dist.get_rank()) if latent_split else None
+    split = LatentSplit(parallel.world_size(), parallel.rank()) if latent_split else None
     if backend == "flashinfer":
         if device == "cpu":
             sys.modules["flashinfer"] = fake_flashinfer.module()
@@ -60,10 +61,10 @@ def generate(target_dir: str, drafter_dir: str, prompts: list[list[int]], sampli
     done = {c.key: c for c in engine.generate(reqs, bucket)}
     # flashinfer: whether rounds ran on wrappers planned as a captured graph's (fixed rows)
     captured = backend == "flashinfer" and any(key[1] is not None for key in attention.wrappers)
-    return [dict(tokens=done[r.key].token_ids, per_round=done[r.key].spec.per_round,
+    return [dict(tokens=done[r.key].token_ids, per_round=done[r.key].spec and done[r.key].spec.per_round,
                  top_ids=done[r.key].logprobs and done[r.key].logprobs.top_ids,
                  logprobs=logprob_values(done[r.key].logprobs), captured=captured,
-                 cached=done[r.key].cached_tokens) for r in reqs]
+                 cached=done[r.key].cached_tokens, held=(target.held.start, target.held.stop)) for r in reqs]
 
 
 def logprob_values(logprobs) -> list[list[float]]:
@@ -74,8 +75,8 @@ def logprob_values(logprobs) -> list[list[float]]:
 def run(rank: int, world_size: int, port: int, target_dir: str, drafter_dir: str,
         prompts: list[list[int]], runs: dict[str, dict], out_dir: str, graphs: bool = False,
         device: str = "cpu", costs_by_rank: list[list[float]] | None = None, group_rows: int | None = None,
-        latent_split: bool = False, backend: str = "torch") -> None:
-    """`costs_by_rank`: an auto bucket (speculation: auto) whose round costs each rank reads from
+        latent_split: bool = False, backend: str = "torch", stages: int = 1, speculation: bool = True) -> None:
+    """`stages`: the ranks split into that many pipeline stages (parallel.form_stages). `costs_by_rank`: an auto bucket (speculation: auto) whose round costs each rank reads from
     here (seconds by verify width) instead of timing them; `group_rows`: verify rows each rank
     gathers and samples at once (engine/choice.py), default as many as its vocabulary allows."""
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -87,40 +88,45 @@ def run(rank: int, world_size: int, port: int, target_dir: str, drafter_dir: str
     # timeout turns a rank left waiting into an error instead of a hung test.
     dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=60))
+    parallel.form_stages(stages)
     try:
         if group_rows is not None:
             choice.group_rows = lambda vocab: group_rows
         if costs_by_rank is not None:
             Engine._time_round = lambda self, *args: costs_by_rank[rank][args[-1] - 1]
-        speculation = True if costs_by_rank is None else "auto"
+        speculation = speculation if costs_by_rank is None else "auto"
         results = {name: generate(target_dir, drafter_dir, prompts, s, graphs, device, speculation, latent_split,
                                   backend) for name, s in runs.items()}
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
+        parallel.leave_stages()
         dist.destroy_process_group()
 
 
 def assert_tp2_equals_tp1(target_dir: str, drafter_dir: str, prompts: list[list[int]], runs: dict[str, dict],
                           out_dir: str, port: int, graphs: bool = False, device: str = "cpu",
                           group_rows: int | None = None, ranks: int = 2, latent_split: bool = False,
-                          backend: str = "torch", logprob_atol: float = 1e-9, cached: list[int] | None = None
-                          ) -> None:
+                          backend: str = "torch", logprob_atol: float = 1e-9, cached: list[int] | None = None,
+                          stages: int = 1, held: list[range] | None = None, speculation: bool = True) -> None:
     """Decode in this process on the torch backend, each prompt prefilled by itself (no shared
     heads), then on `ranks` ranks (gloo on the CPU, NCCL on GPUs; `graphs`: through the graph
     path; `group_rows`: the ranks gather and sample that many verify rows at a time;
     `latent_split`: they split the MLA latents by token; on `backend`; prompts that share a head
     share it): every rank must give the same tokens and accepted drafts per round, for every
     sampling setting in `runs`, and logprobs within `logprob_atol`; `cached`: the prompt tokens
-    each prompt took from a shared head on the ranks."""
+    each prompt took from a shared head on the ranks; `stages`: the ranks form that many pipeline
+    stages, each a tensor-parallel group of ranks / stages, stage s holding the layers `held[s]`;
+    `speculation` False: target-only rounds, in both."""
     import torch.multiprocessing as mp
 
     args = (target_dir, drafter_dir, prompts, runs)
-    expected = {name: generate(*args[:3], s, device=device, share_prompts=False) for name, s in runs.items()}
-    assert any(n for r in expected["greedy"] for n in r["per_round"]), "no draft accepted"
+    expected = {name: generate(*args[:3], s, device=device, speculation=speculation, share_prompts=False)
+                for name, s in runs.items()}
+    assert not speculation or any(n for r in expected["greedy"] for n in r["per_round"]), "no draft accepted"
     vocab = json.loads((Path(drafter_dir) / "config.json").read_text())["vocab_size"]  # the pair's
-    assert_every_slice_decoded([t for r in expected["greedy"] for t in r["tokens"]], vocab, ranks)
-    mp.spawn(run, args=(ranks, port, *args, out_dir, graphs, device, None, group_rows, latent_split, backend),
-             nprocs=ranks)
+    assert_every_slice_decoded([t for r in expected["greedy"] for t in r["tokens"]], vocab, ranks // stages)
+    mp.spawn(run, args=(ranks, port, *args, out_dir, graphs, device, None, group_rows, latent_split, backend,
+                        stages, speculation), nprocs=ranks)
     for rank in range(ranks):
         got = torch.load(Path(out_dir) / f"rank{rank}.pt", map_location="cpu")
         for name in runs:
@@ -132,6 +138,7 @@ def assert_tp2_equals_tp1(target_dir: str, drafter_dir: str, prompts: list[list[
                 for a, b in zip(g["logprobs"], want["logprobs"]):
                     torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=logprob_atol)
             assert cached is None or [g["cached"] for g in got[name]] == cached, f"rank {rank}, {name}"
+            assert held is None or range(*got[name][0]["held"]) == held[rank // (ranks // stages)], f"rank {rank}"
 
 
 def assert_auto_ranks_agree(target_dir: str, drafter_dir: str, prompts: list[list[int]], out_dir: str,

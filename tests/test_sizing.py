@@ -208,20 +208,20 @@ class _MirroredRanks:
         return False  # parallel.rank(): 0
 
     @staticmethod
-    def get_backend() -> str:
+    def get_backend(group=None) -> str:
         return "gloo"
 
     @staticmethod
-    def all_reduce(x: torch.Tensor, op=None) -> None:
+    def all_reduce(x: torch.Tensor, op=None, group=None) -> None:
         pass
 
     @staticmethod
-    def all_gather(parts: list[torch.Tensor], x: torch.Tensor) -> None:
+    def all_gather(parts: list[torch.Tensor], x: torch.Tensor, group=None) -> None:
         for part in parts:
             part.copy_(x)
 
     @staticmethod
-    def all_gather_into_tensor(out: torch.Tensor, x: torch.Tensor) -> None:
+    def all_gather_into_tensor(out: torch.Tensor, x: torch.Tensor, group=None) -> None:
         out.view(-1, *x.shape).copy_(x)
 
     @staticmethod

@@ -35,6 +35,7 @@ from dflash_batch.engine.sequence import Sequence
 from dflash_batch.kernels import ops
 from dflash_batch.kernels.accept import STOP
 from dflash_batch.kernels.sample import top1
+from dflash_batch.models.layers.dtypes import wide_dtype
 from dflash_batch.plan.buckets import Bucket
 
 
@@ -466,8 +467,12 @@ class Engine:
                           backend=self.attention, name="prefill", batch_rows=[s.row for s in seqs], ring=self.ring)
         self.attention.plan(meta)
         logits, taps = self.target(torch.tensor(ids, dtype=torch.int64, device=self.device), meta)
-        if block > 1:
+        if block > 1 and parallel.last_stage():
             self.drafter.write_context(taps, meta)
+        if not parallel.last_stage():  # the last stage's logits rows, for every stage's host to read
+            logits = torch.empty((len(logit_rows), self.target.vocab_size), dtype=wide_dtype(self.target.dtype),
+                                 device=self.device)
+        parallel.from_last_stage(logits)
         for seq, r in zip(seqs, rows):  # only now: a step that raised leaves nothing half-counted
             seq.prefilled += r.count
         self.prefill_tokens += len(ids)

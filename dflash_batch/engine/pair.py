@@ -3,6 +3,7 @@ target's embedding and head; the target taps the layers the drafter reads)."""
 
 from __future__ import annotations
 
+from dflash_batch import parallel
 from dflash_batch.models.dflash import draft_value
 
 
@@ -28,5 +29,6 @@ def attach_drafter(target, drafter) -> None:
     """Pair a loaded drafter with its target: check they fit, lend the drafter the target's
     embedding and head, and make the target tap the drafter's layers on the drafter's stream."""
     check_pair(target, drafter)
-    drafter.bind_target(target.embed_tokens, target.lm_head)
+    if parallel.last_stage():  # under pipeline stages the drafter runs on the last, beside the head
+        drafter.bind_target(target.embed_tokens, target.lm_head)
     target.set_taps(drafter.target_layer_ids, draft_value(drafter.config, "aux_hidden_stream"))

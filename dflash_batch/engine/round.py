@@ -25,6 +25,11 @@ next round can read: it starts at most W positions on). W = 1 runs no draft at a
 the drafter's context current. Each accepted token is still t_j = the target's choice at its
 position, so any width gives target-only output.
 
+Under pipeline stages (models/stages.py) the drafter drafts on the last stage, where the taps
+arrive, and the drafts go to every stage; the verify passes through the stages; the last stage
+decides (choose, accept) and the batch's ids, positions, budgets and results (and logprobs) go
+back to every stage, whose recurrent layers then commit the same accepted rows.
+
 Sampling is exact: t_j follows the target's filtered law with the coin of position P+j+1, and
 accepting d_{j+1} iff it equals t_j is the target-only rule for a deterministic proposal
 (accept with probability p(d), else sample p without d). Every emitted token at position x is
@@ -96,8 +101,10 @@ class Round:
                             backend=self.attention, rows=b.row_ids[:n], ring=b.ring, **extra)
 
         if self.drafter is not None and W > 1:
-            hidden = self.drafter(draft_ids, meta("draft", draft_kv, logits_rows=b.no_rows), block_size=B)
-            ids[:, 1:] = self.drafter.propose(hidden.view(n, B, -1), ids[:, 0])
+            if parallel.last_stage():  # under pipeline stages the drafter runs where the taps arrive
+                hidden = self.drafter(draft_ids, meta("draft", draft_kv, logits_rows=b.no_rows), block_size=B)
+                ids[:, 1:] = self.drafter.propose(hidden.view(n, B, -1), ids[:, 0])
+            parallel.from_last_stage(ids)  # the first stage embeds the drafts; every stage's host reads them
         if W == B:
             return positions, meta("verify", verify_kv, logits_rows=b.q_index[:n].reshape(-1),
                                    state_ids=b.state_slot[:n], stage=self.recurrent)
@@ -123,6 +130,28 @@ class Round:
         # row's best (3 values a row); the others gather whole rows a group at a time (choice.py).
         verify.gather_logits = False
         logits, taps = self.target(ids.reshape(-1), verify)
+        if parallel.last_stage():
+            accepted = self.decide(b, n, W, logits, positions, greedy, constrained)
+            if self.drafter is not None:
+                self.drafter.write_context(taps, verify)
+        else:  # a stage before the last has no logits: it takes what the last decided
+            accepted = torch.zeros(n, dtype=torch.int64, device=ids.device)
+        # Budgets stay behind: only the drafter and accept read them, on the last stage.
+        scored = (b.token_logprob[:n], b.top_logprob_ids[:n], b.top_logprobs[:n]) if b.token_logprob is not None else ()
+        parallel.from_last_stage(b.ids[:n], b.pos[:n], b.out[:n], accepted, *scored)
+        if b.counts is not None:  # what the rows emitted is generated now
+            emitted = b.out[:n, :B]
+            b.counts[:n].scatter_add_(-1, emitted.clamp_min(0), (emitted >= 0).to(b.counts.dtype))
+        if self.recurrent:
+            # The verify left the recurrent state alone; it moves past the anchor and the
+            # accepted drafts (the bonus is the next anchor, not yet fed).
+            self.target.commit(b.state_slot[:n], accepted + 1)
+
+    def decide(self, b: DecodeBatch, n: int, W: int, logits: torch.Tensor, positions: torch.Tensor, greedy: bool,
+               constrained: bool) -> torch.Tensor:
+        """choose -> accept from the target's logits (this rank's vocabulary slice): the batch's
+        ids, positions, budgets and results advance; returns the accepted drafts a sequence."""
+        B = self.block
         if greedy and b.token_logprob is None:
             chosen, finite = parallel.sharded_top1(logits)
         else:
@@ -133,12 +162,4 @@ class Round:
             chosen = torch.nn.functional.pad(chosen, (0, B - W), value=-2)
         accepted = self.ops.accept(b.ids[:n], chosen, b.pos[:n], b.budget[:n], b.stop_ids[:n], b.out[:n])
         b.out[:n, B + 1] = torch.where(finite, b.out[:n, B + 1], ERROR)
-        if b.counts is not None:  # what the rows emitted is generated now
-            emitted = b.out[:n, :B]
-            b.counts[:n].scatter_add_(-1, emitted.clamp_min(0), (emitted >= 0).to(b.counts.dtype))
-        if self.drafter is not None:
-            self.drafter.write_context(taps, verify)
-        if self.recurrent:
-            # The verify left the recurrent state alone; it moves past the anchor and the
-            # accepted drafts (the bonus is the next anchor, not yet fed).
-            self.target.commit(b.state_slot[:n], accepted + 1)
+        return accepted

@@ -28,6 +28,7 @@ from dflash_batch.models.layers.linear import (
 )
 from dflash_batch.models.layers.mxfp4 import MXFP4Experts
 from dflash_batch.models.layers.norm import RMSNorm, rms_norm
+from dflash_batch.models.stages import held_layers, module_bytes, staged_forward, stage_name
 
 LORA_NORM_EPS = 1e-6  # the official q_a/kv_a LoRA norms take RMSNorm's default, not rms_norm_eps
 
@@ -266,8 +267,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: dict, index: int):
         super().__init__()
         hidden, eps = config["hidden_size"], config["rms_norm_eps"]
-        kda_layers = config["linear_attn_config"]["kda_layers"]  # 1-based
-        self.is_kda = (index + 1) in kda_layers
+        self.is_kda, moe = self.kind(config, index)
         self.self_attn = KDA(config) if self.is_kda else GatedMLA(config)
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
@@ -275,13 +275,18 @@ class DecoderLayer(nn.Module):
         self.self_attention_res_proj = ReplicatedLinear(hidden, 1)
         self.mlp_res_norm = RMSNorm(hidden, eps)
         self.mlp_res_proj = ReplicatedLinear(hidden, 1)
-        moe = index >= config.get("first_k_dense_replace", 1) and index % config.get("moe_layer_freq", 1) == 0
         if not moe:
             self.mlp = SituMLP(config, hidden, config["intermediate_size"])
         else:
             self.block_sparse_moe = LatentMoE(config)
         block = config["attn_res_block_size"]
         self.is_write, self.write_idx, self.prev = index % block == 0, index // block, -(-index // block)
+
+    @staticmethod
+    def kind(config: dict, index: int) -> tuple[bool, bool]:
+        """(KDA attention, else MLA; a MoE, else a dense MLP) of layer `index`."""
+        kda = (index + 1) in config["linear_attn_config"]["kda_layers"]  # 1-based
+        return kda, index >= config.get("first_k_dense_replace", 1) and index % config.get("moe_layer_freq", 1) == 0
 
     def attn_mix(self, prefix: torch.Tensor, blocks: list[torch.Tensor]) -> torch.Tensor:
         """The attention-side mix this layer computes at its entry, before input_layernorm."""
@@ -301,14 +306,19 @@ class DecoderLayer(nn.Module):
 
 
 class KimiLinearModel(nn.Module):
-    def __init__(self, config: dict):
+    """The decoder; on a pipeline stage (models/stages.py) the `held` layers, the embedding on the
+    first and last stage (the drafter borrows it there), the output mix and norm on the last."""
+
+    def __init__(self, config: dict, held: range):
         super().__init__()
-        hidden, eps = config["hidden_size"], config["rms_norm_eps"]
-        self.embed_tokens = VocabParallelEmbedding(config["vocab_size"], hidden)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config["num_hidden_layers"]))
-        self.norm = RMSNorm(hidden, eps)
-        self.output_attn_res_norm = RMSNorm(hidden, eps)
-        self.output_attn_res_proj = ReplicatedLinear(hidden, 1)
+        hidden, eps, n = config["hidden_size"], config["rms_norm_eps"], config["num_hidden_layers"]
+        if held.start == 0 or held.stop == n:
+            self.embed_tokens = VocabParallelEmbedding(config["vocab_size"], hidden)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in held)
+        if held.stop == n:
+            self.norm = RMSNorm(hidden, eps)
+            self.output_attn_res_norm = RMSNorm(hidden, eps)
+            self.output_attn_res_proj = ReplicatedLinear(hidden, 1)
 
 
 class KimiK3ForConditionalGeneration(nn.Module):
@@ -323,10 +333,24 @@ class KimiK3ForConditionalGeneration(nn.Module):
             raise NotImplementedError(f"hidden_act={text['hidden_act']!r} is not supported for Kimi-K3")
         self.config = text
         self.hidden_size, self.vocab_size = text["hidden_size"], text["vocab_size"]
-        self.model = KimiLinearModel(text)
-        self.lm_head = ParallelLMHead(self.hidden_size, self.vocab_size)
+        self.num_layers, self.dtype = text["num_hidden_layers"], torch.get_default_dtype()
+        self.held = held_layers(self.num_layers, lambda: self._sizes(text))
+        self.model = KimiLinearModel(text, self.held)
+        if self.held.stop == self.num_layers:
+            self.lm_head = ParallelLMHead(self.hidden_size, self.vocab_size)
         self.tap_ids: list[int] = []
         self.tap_stream = "prefix"
+
+    def _sizes(self, config: dict) -> tuple[list[int], int, int]:
+        """Bytes of each layer (one of each kind built), of the embedding and of the head
+        (models/stages.py balances them)."""
+        kinds: dict[tuple[bool, bool], int] = {}
+        for i in range(self.num_layers):
+            kind = DecoderLayer.kind(config, i)
+            if kind not in kinds:
+                kinds[kind] = module_bytes(lambda: DecoderLayer(config, i))
+        table = module_bytes(lambda: VocabParallelEmbedding(self.vocab_size, self.hidden_size))
+        return [kinds[DecoderLayer.kind(config, i)] for i in range(self.num_layers)], table, table
 
     @property
     def embed_tokens(self) -> VocabParallelEmbedding:
@@ -339,12 +363,12 @@ class KimiK3ForConditionalGeneration(nn.Module):
         if name.endswith("rotary_emb.inv_freq"):
             return None
         parts = name.split(".")
-        if parts[:2] == ["model", "layers"] and int(parts[2]) >= len(self.model.layers):
+        if parts[:2] == ["model", "layers"] and int(parts[2]) >= self.num_layers:
             return None  # multi-token-prediction layers past the last decoder layer
-        return name
+        return stage_name(name, self.held, self.num_layers, ("model.norm.", "model.output_attn_res_", "lm_head."))
 
     def set_taps(self, layer_ids: list[int], stream: str | None = None) -> None:
-        n = len(self.model.layers)
+        n = self.num_layers
         if len(set(layer_ids)) != len(layer_ids) or any(not 0 <= i < n for i in layer_ids):
             raise ValueError(f"tap layer ids must be unique and in [0, {n}), got {layer_ids}")
         if (stream or "prefix") not in ("prefix", "attn_res"):
@@ -406,20 +430,42 @@ class KimiK3ForConditionalGeneration(nn.Module):
             if layer.is_kda:
                 layer.self_attn.commit(state_ids, kept)
 
-    def forward(self, input_ids: torch.Tensor, meta: AttnMeta) -> tuple[torch.Tensor, torch.Tensor | None]:
-        prefix = self.model.embed_tokens(input_ids)
-        blocks: list[torch.Tensor] = []
-        taps = []
-        layers = self.model.layers
-        for i, layer in enumerate(layers):
+    def forward(self, input_ids: torch.Tensor, meta: AttnMeta) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """input_ids [T] -> (logits for meta.logits_rows, taps [T, n_taps*hidden] | None); (None, None)
+        on a pipeline stage before the last (models/stages.py)."""
+        return staged_forward(self, input_ids, meta)
+
+    def embed(self, input_ids: torch.Tensor) -> list[torch.Tensor]:
+        return [self.model.embed_tokens(input_ids)]
+
+    def _blocks(self, boundary: int) -> int:
+        """Attention-residual blocks written before layer `boundary` (one at each layer whose
+        index is a multiple of the block size, from layer 0)."""
+        return -(-boundary // self.config["attn_res_block_size"])
+
+    def carry_depth(self, boundary: int) -> int:
+        """Tensors entering layer `boundary`: the prefix, the blocks and the taps taken before it
+        (on the attn_res stream, tap L is taken entering layer L + 1)."""
+        taken = boundary if self.tap_stream == "prefix" else boundary - 1
+        return 1 + self._blocks(boundary) + sum(i < taken for i in self.tap_ids)
+
+    def run_layers(self, carry: list[torch.Tensor], meta: AttnMeta) -> list[torch.Tensor]:
+        nb = self._blocks(self.held.start)
+        prefix, blocks, taps = carry[0], carry[1:1 + nb], carry[1 + nb:]
+        for i, layer in zip(self.held, self.model.layers):
             if self.tap_stream == "attn_res" and i - 1 in self.tap_ids:
                 taps.append(layer.attn_mix(prefix, blocks))  # tap L = the mix entering layer L+1
             prefix = layer(prefix, blocks, meta)
             if self.tap_stream == "prefix" and i in self.tap_ids:
                 taps.append(prefix)
+        return [prefix, *blocks, *taps]
+
+    def head(self, carry: list[torch.Tensor], meta: AttnMeta) -> tuple[torch.Tensor, torch.Tensor | None]:
+        nb = self._blocks(self.num_layers)
+        prefix, blocks, taps = carry[0], carry[1:1 + nb], carry[1 + nb:]
         m = self.model
         h = attn_res_mix(prefix, blocks, m.output_attn_res_norm, m.output_attn_res_proj)
-        if self.tap_stream == "attn_res" and len(layers) - 1 in self.tap_ids:
+        if self.tap_stream == "attn_res" and self.num_layers - 1 in self.tap_ids:
             taps.append(h)  # the output mix, before the final norm
         logits = wide(self.lm_head(self.model.norm(h)[meta.logits_rows], meta.gather_logits))
         return logits, torch.cat(taps, dim=-1) if taps else None

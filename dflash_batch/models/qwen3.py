@@ -23,6 +23,7 @@ from dflash_batch.models.layers.linear import (
 )
 from dflash_batch.models.layers.norm import RMSNorm, rms_norm
 from dflash_batch.models.layers.rope import apply_rope, rope_from_config
+from dflash_batch.models.stages import held_layers, module_bytes, staged_forward, stage_name
 
 
 class Qwen3Attention(nn.Module):
@@ -87,13 +88,18 @@ class Qwen3DecoderLayer(nn.Module):
 
 
 class Qwen3Model(nn.Module):
-    """Holds the `model.` part of the checkpoint names; Qwen3ForCausalLM.forward drives it."""
+    """Holds the `model.` part of the checkpoint names; Qwen3ForCausalLM.forward drives it. On a
+    pipeline stage (models/stages.py): the `held` layers, the embedding on the first and last
+    stage (the drafter borrows it there), the final norm on the last."""
 
-    def __init__(self, config: dict):
+    def __init__(self, config: dict, held: range):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config["vocab_size"], config["hidden_size"])
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config) for _ in range(config["num_hidden_layers"]))
-        self.norm = RMSNorm(config["hidden_size"], config["rms_norm_eps"])
+        n = config["num_hidden_layers"]
+        if held.start == 0 or held.stop == n:
+            self.embed_tokens = VocabParallelEmbedding(config["vocab_size"], config["hidden_size"])
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config) for _ in held)
+        if held.stop == n:
+            self.norm = RMSNorm(config["hidden_size"], config["rms_norm_eps"])
 
 
 class Qwen3ForCausalLM(nn.Module):
@@ -104,18 +110,28 @@ class Qwen3ForCausalLM(nn.Module):
         if config.get("hidden_act", "silu") != "silu":
             raise NotImplementedError(f"hidden_act={config['hidden_act']!r} is not supported")
         self.config = config
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        self.rotary_emb = rope_from_config(config, head_dim)
+        self.tap_ids: list[int] = []
+        self.tap_stream = "residual"
         self.hidden_size: int = config["hidden_size"]
         self.vocab_size: int = config["vocab_size"]
-        self.model = Qwen3Model(config)
+        self.num_layers: int = config["num_hidden_layers"]
+        self.dtype = torch.get_default_dtype()
+        self.held = held_layers(self.num_layers, lambda: self._sizes(config))
+        self.model = Qwen3Model(config, self.held)
+        if self.held.stop < self.num_layers:  # a stage before the last: no head
+            return
         self.lm_head = ParallelLMHead(self.hidden_size, self.vocab_size)
         if config.get("tie_word_embeddings", False):
             # Embedding and head are cut the same way (vocab rows), so one shared parameter
             # serves both; the loader fills it from model.embed_tokens.weight.
             self.lm_head.weight = self.model.embed_tokens.weight
-        head_dim = config.get("head_dim") or self.hidden_size // config["num_attention_heads"]
-        self.rotary_emb = rope_from_config(config, head_dim)
-        self.tap_ids: list[int] = []
-        self.tap_stream = "residual"
+
+    def _sizes(self, config: dict) -> tuple[list[int], int, int]:
+        """Bytes of each layer, of the embedding and of the head (models/stages.py balances them)."""
+        table = module_bytes(lambda: VocabParallelEmbedding(self.vocab_size, self.hidden_size))
+        return [module_bytes(lambda: Qwen3DecoderLayer(config))] * self.num_layers, table, table
 
     @property
     def embed_tokens(self) -> VocabParallelEmbedding:
@@ -125,7 +141,7 @@ class Qwen3ForCausalLM(nn.Module):
         # With tied embeddings the head has no tensor of its own; a stored copy is redundant.
         if name == "lm_head.weight" and self.config.get("tie_word_embeddings", False):
             return None
-        return name
+        return stage_name(name, self.held, self.num_layers, ("model.norm.", "lm_head."))
 
     def allocate_cache(self, num_slots: int, dtype: torch.dtype, device: torch.device | str) -> int:
         """K and V caches of `num_slots` slots in every layer; returns their bytes."""
@@ -140,27 +156,40 @@ class Qwen3ForCausalLM(nn.Module):
         """Taps are the residual stream after each layer (transformers' hidden_states[L+1])."""
         if stream not in (None, "residual"):
             raise ValueError(f"aux_hidden_stream {stream!r} is not available on Qwen3 (residual only)")
-        n = len(self.model.layers)
+        n = self.num_layers
         if len(set(layer_ids)) != len(layer_ids) or any(not 0 <= i < n for i in layer_ids):
             raise ValueError(f"tap layer ids must be unique and in [0, {n}), got {layer_ids}")
         self.tap_ids = sorted(layer_ids)
 
-    def forward(self, input_ids: torch.Tensor, meta: AttnMeta) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """input_ids [T] -> (logits [R, vocab] float32 for meta.logits_rows, taps [T, n_taps*hidden] | None)."""
+    def forward(self, input_ids: torch.Tensor, meta: AttnMeta) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """input_ids [T] -> (logits [R, vocab] float32 for meta.logits_rows, taps [T, n_taps*hidden] | None);
+        (None, None) on a pipeline stage before the last (models/stages.py)."""
         if self.model.layers[0].self_attn.k_cache is None:
             raise RuntimeError("allocate_cache() must be called before forward()")
-        h = self.model.embed_tokens(input_ids)
+        return staged_forward(self, input_ids, meta)
+
+    def embed(self, input_ids: torch.Tensor) -> list[torch.Tensor]:
+        return [self.model.embed_tokens(input_ids)]
+
+    def carry_depth(self, boundary: int) -> int:
+        """Tensors entering layer `boundary`: the residual stream and the taps before it."""
+        return 1 + sum(i < boundary for i in self.tap_ids)
+
+    def run_layers(self, carry: list[torch.Tensor], meta: AttnMeta) -> list[torch.Tensor]:
+        h, taps = carry[0], carry[1:]
         cos, sin = self.rotary_emb(meta.positions)
-        taps = []
-        for i, layer in enumerate(self.model.layers):
+        for i, layer in zip(self.held, self.model.layers):
             h = layer(h, cos, sin, meta)
             if i in self.tap_ids:
                 taps.append(h)
-        h = self.model.norm(h)
+        return [h, *taps]
+
+    def head(self, carry: list[torch.Tensor], meta: AttnMeta) -> tuple[torch.Tensor, torch.Tensor | None]:
+        h, taps = self.model.norm(carry[0]), carry[1:]
         # transformers 5.x reports hidden_states[-1] (the last layer's output) AFTER the final
         # norm (capture_outputs swaps in last_hidden_state), and DFlash drafters are trained on
         # those features, so a tap on the last layer takes the normed stream too.
-        if self.tap_ids and self.tap_ids[-1] == len(self.model.layers) - 1:
+        if self.tap_ids and self.tap_ids[-1] == self.num_layers - 1:
             taps[-1] = h
         logits = wide(self.lm_head(h[meta.logits_rows], meta.gather_logits))
         return logits, torch.cat(taps, dim=-1) if taps else None
