@@ -59,6 +59,7 @@ class _Checkpoint:
     packed_experts: bool      # routed experts stored as MXFP4 (compressed-tensors)
     latent: tuple[int | None, int | None]  # an MLA model's (kv_lora_rank, qk_rope_head_dim)
     causal: bool              # a drafter's block attends causally
+    layers: int | None        # decoder layers (what pipeline stages split)
 
     @classmethod
     def read(cls, path: str, role: str) -> _Checkpoint:
@@ -73,7 +74,8 @@ class _Checkpoint:
         return cls((config.get("architectures") or ["?"])[0], draft_value(text, "attention_mode", "gqa"), head_dim,
                    text.get("sliding_window") if text.get("layer_types") else None,
                    draft_value(text, "block_size"), quant.get("quant_method") == "compressed-tensors",
-                   (text.get("kv_lora_rank"), text.get("qk_rope_head_dim")), bool(text.get("is_causal")))
+                   (text.get("kv_lora_rank"), text.get("qk_rope_head_dim")), bool(text.get("is_causal")),
+                   text.get("num_hidden_layers"))
 
     @property
     def mla(self) -> bool:
@@ -156,9 +158,14 @@ def resolve_engine(job: Job, cuda: bool | None = None, flashinfer: bool | None =
         raise JobError(f"engine.cuda_graphs: true cannot take effect: {why_no_graphs}")
     graphs = why_no_graphs is None if e.cuda_graphs is None else e.cuda_graphs
 
+    pp = job.model.pipeline_parallel_size
+    if target_ckpt.layers is not None and pp > target_ckpt.layers:
+        raise JobError(f"model.pipeline_parallel_size {pp}: the target has {target_ckpt.layers} layers and each "
+                       "stage needs one")
     why_no_compile = (
         "compilation is the CPU path (on a GPU the round runs under CUDA graphs)" if device != "cpu" else
-        host_reads or ("tensor_parallel_size > 1 is not compiled yet" if tp > 1 else None))
+        host_reads or ("tensor_parallel_size > 1 is not compiled yet" if tp > 1 else None)
+        or ("pipeline_parallel_size > 1 is not compiled yet" if pp > 1 else None))
     if e.compile and why_no_compile:
         raise JobError(f"engine.compile: true cannot take effect: {why_no_compile}")
     compiled = why_no_compile is None if e.compile is None else e.compile
@@ -235,6 +242,15 @@ def _split(setup: EngineSetup) -> LatentSplit | None:
     return LatentSplit(parallel.world_size(), parallel.rank()) if setup.context_parallel else None
 
 
+def _stage_line(target, job: Job) -> str:
+    """What this rank's stage holds: "rank R of N (stage S of P) on HOST: TP T, target layers a-b[,
+    the LM head and the drafter]"."""
+    held, last = target.held, parallel.last_stage()
+    tail = (", the LM head" + (" and the drafter" if job.model.drafter else "")) if last else ""
+    return (f"{parallel.describe_rank()}: TP{parallel.world_size()}, target layers {held.start}-{held.stop - 1} "
+            f"of {target.num_layers}{tail}")
+
+
 def build_engine(job: Job, tokenizer: Tokenizer, setup: EngineSetup | None = None) -> Engine:
     """Load the job's target (and drafter), check they fit, and build the engine."""
     setup = setup or resolve_engine(job)
@@ -247,7 +263,9 @@ def build_engine(job: Job, tokenizer: Tokenizer, setup: EngineSetup | None = Non
                        f"tokens but model.target {job.model.target} has a vocabulary of {target.vocab_size}: "
                        "they do not belong together (set model.tokenizer to the target's own)")
     drafter = None
-    say = (lambda line: print(line, file=sys.stderr)) if parallel.rank() == 0 else (lambda line: None)
+    say = (lambda line: print(line, file=sys.stderr)) if parallel.global_rank() == 0 else (lambda line: None)
+    if parallel.stage()[1] > 1 and parallel.rank() == 0:  # the layout, a line from each stage's first rank
+        print(_stage_line(target, job), file=sys.stderr)
     if job.model.drafter:
         drafter = _load(job.model.drafter, dtype, setup.device, "drafter")
         try:

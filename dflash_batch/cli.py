@@ -122,9 +122,9 @@ def _run_shard(job: Job, shard: Shard, progress: bool, job_file: str,
     except KeyboardInterrupt:  # Ctrl-C before the run took the signal (checking inputs): no row was finished
         click.echo(f"interrupted: {RESUME_HINT}", err=True)
         sys.exit(EXIT_INTERRUPTED)
-    if parallel.rank() == 0 and result.already_complete:
+    if parallel.global_rank() == 0 and result.already_complete:
         click.echo(f"shard {result.shard}: already complete for these inputs; nothing to do")
-    elif parallel.rank() == 0:
+    elif parallel.global_rank() == 0:
         click.echo(f"\nshard {result.shard}: {result.rows_written} rows committed this run")
         click.echo(_table(["bucket", "rows", "ok", "error", "prompt tokens", "cached", "tokens", "acc_len",
                            "proposal_acc"],
@@ -135,10 +135,10 @@ def _run_shard(job: Job, shard: Shard, progress: bool, job_file: str,
     tally = result.progress
     if tally is None:
         return
-    if tally.errors and parallel.rank() == 0:
+    if tally.errors and parallel.global_rank() == 0:
         click.echo("error rows this run, by error_type:\n" + "\n".join(tally.error_summary()), err=True)
     if tally.too_many_errors(job.output.max_error_fraction):  # every rank: they ran the same rows
-        if parallel.rank() == 0:
+        if parallel.global_rank() == 0:
             click.echo(f"failed: {sum(tally.errors.values())} of the {tally.done} rows this run are error rows "
                        f"(output.max_error_fraction: {job.output.max_error_fraction}). They are committed, so "
                        "rerunning this command does not run them again: fix the cause, then run them with "
@@ -200,6 +200,9 @@ def _tp_rank(rank: int, world: int, port: int, job: Job, shard: Shard, progress:
     if torch.cuda.is_available():  # before the group: NCCL binds to the current GPU
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=rank, world_size=world)
+    from dflash_batch import parallel
+
+    parallel.form_stages(job.model.pipeline_parallel_size)
     code = 0
     try:  # another exception: multiprocessing reports it to the parent (a traceback) and exits 1
         _run_shard(job, shard, progress, job_file)
@@ -208,6 +211,13 @@ def _tp_rank(rank: int, world: int, port: int, job: Job, shard: Shard, progress:
     finally:
         dist.destroy_process_group()
     end_rank(code)
+
+
+def _layout(job: Job) -> str:
+    """"N ranks (tensor_parallel_size T x pipeline_parallel_size P)", the latter only where P > 1."""
+    m = job.model
+    stages = f" x pipeline_parallel_size {m.pipeline_parallel_size}" if m.pipeline_parallel_size > 1 else ""
+    return f"{m.ranks} ranks (model.tensor_parallel_size {m.tensor_parallel_size}{stages})"
 
 
 def _exit_code(e: SystemExit) -> int:
@@ -261,19 +271,18 @@ def _run(job_file: str, shard_text: str | None, output_dir: str | None, no_progr
             return
     except JobError as e:
         _fail(e)
-    tp = job.model.tensor_parallel_size
+    ranks = job.model.ranks
     if parallel.init_from_env():
-        from torch.distributed import DistError
-
-        if parallel.world_size() != tp:
-            _fail(JobError(f"started with {parallel.world_size()} ranks but model.tensor_parallel_size is {tp}"))
+        if parallel.world_size() != ranks:
+            _fail(JobError(f"started with {parallel.world_size()} ranks but the job runs {_layout(job)}"))
+        parallel.form_stages(job.model.pipeline_parallel_size)
         _set_threads(1)  # one rank a process: srun's --cpus-per-task, or OMP_NUM_THREADS per rank
         try:
             _run_shard(job, shard, not no_progress, job_file)
         except Exception as e:  # this rank failed, or a collective found a rank gone: say which, stop the group
             click.echo(f"error: {parallel.describe_rank()}: {type(e).__name__}: {e}", err=True)
-            if isinstance(e, DistError) or "closed by peer" in str(e):  # NCCL's word for a rank gone; gloo's
-                click.echo("the tensor-parallel group lost a rank: the first one to fail names itself in its "
+            if parallel.lost_rank(e):
+                click.echo("the run lost a rank: the first one to fail names itself in its "
                            f"log (a rank killed outright names nobody: see its node's log). {RESUME_HINT}", err=True)
             end_rank(1)  # the group not left: shutting it down could wait on the rank that is gone
         except SystemExit as e:  # a run that stops itself (too many error rows, a bad job): its group is whole
@@ -281,7 +290,7 @@ def _run(job_file: str, shard_text: str | None, output_dir: str | None, no_progr
             end_rank(_exit_code(e))
         parallel.leave_group()
         end_rank(0)
-    elif tp == 1:
+    elif ranks == 1:
         _set_threads(1)
         _run_shard(job, shard, not no_progress, job_file)
     else:
@@ -292,7 +301,7 @@ def _run(job_file: str, shard_text: str | None, output_dir: str | None, no_progr
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        ranks = mp.start_processes(_tp_rank, args=(tp, port, job, shard, not no_progress, job_file), nprocs=tp,
+        ranks = mp.start_processes(_tp_rank, args=(ranks, port, job, shard, not no_progress, job_file), nprocs=ranks,
                                    join=False, start_method="spawn")
         # Slurm signals this process only (and `kill -INT` too): pass SIGTERM and SIGINT on so every
         # rank commits and stops at the same row, and exits 128 + it, which the join below returns.

@@ -126,7 +126,17 @@ class ModelSpec(_Strict):
                                       "tokenizer's.")
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = Field(
         "bfloat16", description="float64: exact runs for checks (resume == uninterrupted to the bit), CPU speed.")
-    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="Ranks a stage splits every layer across "
+                                      "(one node's GPUs, or fewer).")
+    pipeline_parallel_size: int = Field(1, ge=1, le=64, description="Stages the target's layers are split "
+                                        "into, contiguous and balanced by their bytes, one node a stage: a round's "
+                                        "rows go through the stages in turn (the drafter and the decision on the "
+                                        "last). The run has tensor_parallel_size x pipeline_parallel_size ranks.")
+
+    @property
+    def ranks(self) -> int:
+        """The run's ranks: every stage's tensor-parallel group."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 class AutoSpeculationSpec(_Strict):

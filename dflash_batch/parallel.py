@@ -270,9 +270,16 @@ def _merged_top1(local: torch.Tensor, flag: torch.Tensor | None) -> tuple[torch.
     return ids, None if flag is None else merged[..., 2].min(-1).values > 0
 
 
+def run_size() -> int:
+    """Every rank of the run, all stages (1 while planning)."""
+    if _planned is not None:
+        return 1
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def _spread() -> bool:
-    """More than one rank in the run (any stage): decisions must be shared."""
-    return _planned is None and (_stages is not None or world_size() > 1)
+    """More than one rank in the run: decisions must be shared."""
+    return run_size() > 1
 
 
 def any_rank(flag: bool) -> bool:
@@ -352,6 +359,12 @@ def init_from_env(backend: str | None = None) -> bool:
     return True
 
 
+def lost_rank(error: BaseException) -> bool:
+    """Whether `error` is a collective or hand-off finding a rank of the run gone (NCCL's
+    DistError; gloo's "closed by peer"): the run's failure, never one request's."""
+    return isinstance(error, dist.DistError) or "closed by peer" in str(error)
+
+
 def leave_group() -> None:
     """Shut this rank's process group down while the interpreter is whole (NCCL's communicators
     freed in order; a rank then ends by cli.end_rank, not the interpreter's teardown). A group a
@@ -363,7 +376,6 @@ def leave_group() -> None:
 def describe_rank() -> str:
     """"rank R of N on HOST" ("rank R of N (stage S of P) on HOST" under pipeline stages): how a
     rank's messages name it in a log every rank writes to."""
-    total = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     index, count = stage()
     where = f" (stage {index} of {count})" if count > 1 else ""
-    return f"rank {global_rank()} of {total}{where} on {socket.gethostname()}"
+    return f"rank {global_rank()} of {run_size()}{where} on {socket.gethostname()}"

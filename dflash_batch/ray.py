@@ -71,9 +71,10 @@ class DFlashStage:
         check_passthrough(job)
         if job.retry is not None:
             raise JobError("retry: a retry run reads its parent's input files again; run it with `dflash-batch run`")
-        if job.model.tensor_parallel_size > 1:
-            raise JobError("model.tensor_parallel_size > 1 is not supported in a Ray stage yet: one actor "
-                           "holds one rank; run such a model with `dflash-batch run` (torchrun or srun)")
+        if job.model.ranks > 1:
+            field = "tensor_parallel_size" if job.model.tensor_parallel_size > 1 else "pipeline_parallel_size"
+            raise JobError(f"model.{field} > 1 is not supported in a Ray stage yet: one actor holds one rank; "
+                           "run such a model with `dflash-batch run` (torchrun or srun)")
         if self.out_dir is not None and job.input.id_column is None and job.input.format != "openai_batch":
             raise JobError("input.id_column: a Ray stage that commits to an output directory needs row ids "
                            "that survive a restart (a row's place in a Ray batch does not); name the column "

@@ -70,8 +70,8 @@ class _Run:
         out_dir = Path(job.output.dir)
         self.rows = RowDecoder(job, shard, tokenizer, engine, config_hash, delimiters,
                                keys_to_skip(out_dir, shard.index, job), self._commit,
-                               progress=progress and parallel.rank() == 0)
-        self.writer = None if parallel.rank() else PartWriter(
+                               progress=progress and parallel.global_rank() == 0)
+        self.writer = None if parallel.global_rank() else PartWriter(
             shard_dir(out_dir, shard.index), passthrough=job.input.passthrough_columns,
             optional=self.rows.optional, rows_per_part=job.output.rows_per_part,
             flush_seconds=job.output.flush_seconds, compression=job.output.compression,
@@ -79,7 +79,7 @@ class _Run:
         self.stop = threading.Event()
         self.running = self.committing = False  # where on_signal may stop the run at once
         self.signum = signal.SIGTERM  # the first stop signal's (the exit code says which)
-        self.tensor_parallel = parallel.world_size() > 1
+        self.ranks_agree = parallel.run_size() > 1  # several ranks: they agree on stopping
 
     def _commit(self, rows: list[dict]) -> None:
         self.committing = True  # a SIGTERM now only sets stop: the check below acts on it
@@ -92,9 +92,9 @@ class _Run:
             self.tally.row(row, self.committed())
         self.committing = False
         # Every rank commits the same rows in the same order; they agree on stopping here.
-        stop = parallel.any_rank(self.stop.is_set()) if self.tensor_parallel else self.stop.is_set()
+        stop = parallel.any_rank(self.stop.is_set()) if self.ranks_agree else self.stop.is_set()
         if stop:
-            self._stop(together=self.tensor_parallel)
+            self._stop(together=self.ranks_agree)
 
     def committed(self) -> int:
         return self.writer.committed_rows if self.writer is not None else 0
@@ -111,7 +111,7 @@ class _Run:
         if not self.stop.is_set():
             self.signum = signum
         self.stop.set()
-        if self.running and not self.committing and not self.tensor_parallel:
+        if self.running and not self.committing and not self.ranks_agree:
             self._stop()
 
     # -- the loop ------------------------------------------------------------------------------
@@ -219,8 +219,8 @@ def run_job(job: Job, engine_factory: EngineFactory, shard: Shard, progress: boo
 
     previous = {s: signal.signal(s, while_loading) for s in STOP_SIGNALS} if on_main else {}
     try:
-        with shard_lock(out_dir, shard.index) if parallel.rank() == 0 else contextlib.nullcontext():
-            tally = Progress(progress_path(out_dir, shard.index) if parallel.rank() == 0 else None,
+        with shard_lock(out_dir, shard.index) if parallel.global_rank() == 0 else contextlib.nullcontext():
+            tally = Progress(progress_path(out_dir, shard.index) if parallel.global_rank() == 0 else None,
                              log=not progress, slurm=slurm_of(os.environ))
             run = None
             try:
@@ -228,7 +228,7 @@ def run_job(job: Job, engine_factory: EngineFactory, shard: Shard, progress: boo
                 # run.json only once the checkpoints loaded, so a mistyped path cannot tie the directory
                 # to it. Rank 0 creates it; every rank reads the committed rows before any rank writes
                 # more, so all ranks schedule the same requests (their collectives must match).
-                config_hash = lock_run(out_dir, job, shard, job_file) if parallel.rank() == 0 else None
+                config_hash = lock_run(out_dir, job, shard, job_file) if parallel.global_rank() == 0 else None
                 parallel.barrier()
                 config_hash = config_hash or lock_run(out_dir, job, shard, job_file)
                 run = _Run(job, shard, tokenizer, engine, config_hash, progress, delimiters, on_row, tally=tally)
@@ -241,12 +241,12 @@ def run_job(job: Job, engine_factory: EngineFactory, shard: Shard, progress: boo
                 with fewer_gc_passes():
                     written = run.run()
                 stats = (write_shard_stats(out_dir, shard.index, complete=True, inputs=inputs,
-                                           schedule=schedules(engine)) if parallel.rank() == 0 else {})
+                                           schedule=schedules(engine)) if parallel.global_rank() == 0 else {})
             except BaseException as e:
                 # Stats are recomputed from the committed parts; a failure writing them now (the
                 # disk that stopped the run may still be full) must not hide why the run stopped.
                 # Preempted, the seconds before SIGKILL are not spent reading every part back.
-                if parallel.rank() == 0 and run is not None:
+                if parallel.global_rank() == 0 and run is not None:
                     with contextlib.suppress(Exception):
                         write_shard_stats(out_dir, shard.index, complete=False, inputs=inputs,
                                           count=not isinstance(e, Preempted), schedule=schedules(run.engine))

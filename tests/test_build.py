@@ -44,8 +44,8 @@ def checkpoints(tmp_path):
     return tmp_path
 
 
-def job(checkpoints, target="qwen3", drafter="gqa", tp=1, dtype="bfloat16", **engine):
-    model = dict(target=str(checkpoints / target), tensor_parallel_size=tp, dtype=dtype)
+def job(checkpoints, target="qwen3", drafter="gqa", tp=1, dtype="bfloat16", pp=1, **engine):
+    model = dict(target=str(checkpoints / target), tensor_parallel_size=tp, dtype=dtype, pipeline_parallel_size=pp)
     if drafter:
         model["drafter"] = str(checkpoints / drafter)
     return parse_job(dict(input=dict(paths=["p.jsonl"], prompt_column="p"), model=model,
@@ -157,3 +157,14 @@ def test_the_latent_split_runs_on_both_backends(checkpoints):
     assert not resolve_engine(job(checkpoints, "kimi", "mla", 2), **CPU).context_parallel  # off unless asked
     gpu = resolve_engine(job(checkpoints, "kimi_real", "mla_real", 2, context_parallel=True), **GPU)
     assert (gpu.backend, gpu.context_parallel) == ("flashinfer", True)
+
+
+def test_pipeline_stages_need_a_layer_each_and_run_uncompiled(checkpoints):
+    (checkpoints / "two_layers").mkdir()
+    (checkpoints / "two_layers" / "config.json").write_text(json.dumps(
+        {"architectures": ["Qwen3ForCausalLM"], "head_dim": 128, "num_hidden_layers": 2}))
+    assert resolve_engine(job(checkpoints, "two_layers", pp=2), **CPU).compile is False
+    with pytest.raises(JobError, match="pipeline_parallel_size 3: the target has 2 layers and each stage needs one"):
+        resolve_engine(job(checkpoints, "two_layers", pp=3), **CPU)
+    with pytest.raises(JobError, match="pipeline_parallel_size > 1 is not compiled yet"):
+        resolve_engine(job(checkpoints, pp=2, compile=True), **CPU)

@@ -102,13 +102,15 @@ def test_threads_stay_within_a_containers_cpu_quota(tmp_path, monkeypatch, files
     assert cpus_given(tmp_path) == (want or 64)
 
 
-@pytest.mark.parametrize("launcher, tp", [("torchrun", 1), ("srun", 4)])
-def test_ranks_started_for_another_tensor_parallel_size_are_refused(tmp_path, model_dir, launcher, tp):
+@pytest.mark.parametrize("launcher, tp, pp", [("torchrun", 1, 1), ("srun", 4, 1), ("torchrun", 2, 2)])
+def test_ranks_started_for_another_tensor_parallel_size_are_refused(tmp_path, model_dir, launcher, tp, pp):
     """Two ranks, as torchrun or srun start them (their variables, two processes meeting over
-    gloo), of a job whose model.tensor_parallel_size is not 2: every rank says so in one line and
-    exits 2 before loading a model (this checkpoint could not be loaded) or writing a row."""
+    gloo), of a job whose model.tensor_parallel_size x pipeline_parallel_size is not 2: every rank
+    says so in one line and exits 2 before loading a model (this checkpoint could not be loaded)
+    or writing a row."""
     write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "prompt": "hi"}])
-    write_job(tmp_path, base_job(model_dir, ["p.jsonl"], model={"tensor_parallel_size": tp}))
+    write_job(tmp_path, base_job(model_dir, ["p.jsonl"], model={"tensor_parallel_size": tp,
+                                                                "pipeline_parallel_size": pp}))
     launched = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     env = {k: v for k, v in os.environ.items() if k not in launched and not k.startswith("SLURM_")}
     port = str(free_port())
@@ -123,7 +125,9 @@ def test_ranks_started_for_another_tensor_parallel_size_are_refused(tmp_path, mo
     outs = [p.communicate(timeout=300) for p in procs]
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 2, err[-2000:]
-        assert err.splitlines() == [f"error: started with 2 ranks but model.tensor_parallel_size is {tp}"], err
+        stages = f" x pipeline_parallel_size {pp}" if pp > 1 else ""
+        assert err.splitlines() == [f"error: started with 2 ranks but the job runs {tp * pp} ranks "
+                                    f"(model.tensor_parallel_size {tp}{stages})"], err
     assert not (tmp_path / "out").exists()
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -44,15 +45,16 @@ def make_cli_kimi_pair(directory: Path) -> tuple[Path, Path]:
 
 
 def kimi_job(tmp_path: Path, pair: tuple[Path, Path], out: str, rows: int = 8, tp: int = 1,
-             max_new_tokens: int = 24, rows_per_part: int = 2, context_parallel: bool = False) -> Path:
+             max_new_tokens: int = 24, rows_per_part: int = 2, context_parallel: bool = False, pp: int = 1) -> Path:
     """Token-id prompts, every other row sampled (temperature 1, top-p 0.95, 2 samples) and the
     rest greedy, with logprobs: one run covers both decoding modes. `context_parallel`: the ranks
-    split the MLA latents by token."""
+    split the MLA latents by token; `pp`: pipeline stages of `tp` ranks each."""
     target, drafter = pair
     data = [{"id": f"r{i}", "ids": [(7 * i + 3 * j) % 250 + 3 for j in range(5 + 9 * (i % 4))],
              "temperature": 1.0 if i % 2 else 0.0} for i in range(rows)]
     write_jsonl(tmp_path / "kimi_prompts.jsonl", data)
-    doc = base_job(target, ["kimi_prompts.jsonl"], model={"drafter": str(drafter), "tensor_parallel_size": tp},
+    doc = base_job(target, ["kimi_prompts.jsonl"], model={"drafter": str(drafter), "tensor_parallel_size": tp,
+                                                         "pipeline_parallel_size": pp},
                    input={"prompt_column": None, "input_ids_column": "ids",
                           "sampling_columns": {"temperature": "temperature"}},
                    sampling={"max_new_tokens": max_new_tokens, "top_p": 0.95, "n": 2, "seed": 3, "logprobs": 2},
@@ -80,11 +82,11 @@ def assert_rows_equal_tp1(rows: list[dict], tp1: list[dict]) -> None:
             assert g.shape == w.shape and torch.allclose(g, w, rtol=1e-4, atol=1e-5), (got["row_id"], g, w)
 
 
-def torchrun_node(node: int, port: int, job_file: Path, **popen) -> subprocess.Popen:
-    """One node's launch: torchrun starting 2 of the 4 ranks, meeting the other node's at the
-    address and port every node is given."""
+def torchrun_node(node: int, port: int, job_file: Path, per_node: int = 2, **popen) -> subprocess.Popen:
+    """One node's launch: torchrun starting `per_node` ranks of the two nodes', meeting the other
+    node's at the address and port every node is given."""
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
-                             str(node), "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
+                             str(node), "--nproc-per-node", str(per_node), "--master-addr", "127.0.0.1", "--master-port",
                              str(port), "-m", "dflash_batch.cli", "run", str(job_file), "--no-progress"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
 
@@ -166,7 +168,62 @@ def test_a_rank_killed_on_one_node_stops_both_and_the_survivors_name_themselves(
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
     assert all(p.returncode != 0 for p in nodes), [p.returncode for p in nodes]
-    assert "the tensor-parallel group lost a rank" in logs[0], logs[0][-3000:]
+    assert "the run lost a rank" in logs[0], logs[0][-3000:]
     assert "error: rank 0 of 4 on" in logs[0] or "error: rank 1 of 4 on" in logs[0], logs[0][-3000:]
     done = {(r["row_id"], r["sample_index"]) for r in read_out(tmp_path / "out")}
     assert 0 < len(done) < 120
+    assert {r["status"] for r in read_out(tmp_path / "out")} == {"ok"}  # no row blamed for the lost rank
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2], ids=["PP2", "PP2 x TP2"])
+def test_two_stages_on_two_nodes_equal_tp1(pair, tp1, tmp_path, tp):
+    """A stage a node (torchrun's node 0 holds stage 0): the rows one process writes, the layout
+    printed by each stage, rank 0 alone reporting."""
+    job = kimi_job(tmp_path, pair, "out", tp=tp, pp=2)
+    port = free_port()
+    nodes = [torchrun_node(n, port, job, per_node=tp) for n in (0, 1)]
+    logs = [p.communicate(timeout=900)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], "\n".join(log[-3000:] for log in logs)
+    rows = stable_rows(tmp_path / "out")
+    assert_rows_equal_tp1(rows, stable_rows(tp1))
+    assert {r["status"] for r in rows} == {"ok"} and len(rows) == 16 and all(r["spec_histogram"] for r in rows)
+    assert f"(stage 0 of 2) on {socket.gethostname()}: TP{tp}, target layers 0-3 of 8" in logs[0], logs[0][-3000:]
+    assert f"(stage 1 of 2) on {socket.gethostname()}: TP{tp}, target layers 4-7 of 8, the LM head and the " \
+           "drafter" in logs[1], logs[1][-3000:]
+    assert "rows committed this run" in logs[0] and "rows committed this run" not in logs[1]
+
+
+@pytest.mark.slow
+def test_a_stage_killed_stops_every_rank_within_a_minute_and_resume_finishes_the_run(pair, tp1, tmp_path):
+    """A rank of stage 1 killed outright mid-run: both launches exit non-zero within 60 s, stage 0's
+    rank naming itself; the committed rows are whole, and a resumed run (one launch, both stages)
+    ends with the rows one uninterrupted process writes."""
+    job = kimi_job(tmp_path, pair, "out", rows=24, pp=2, max_new_tokens=40, rows_per_part=1)
+    port = free_port()
+    nodes = [torchrun_node(n, port, job, per_node=1, start_new_session=True) for n in (0, 1)]
+    deadline = time.monotonic() + 600
+    while not read_out(tmp_path / "out") and time.monotonic() < deadline and all(p.poll() is None for p in nodes):
+        time.sleep(0.2)
+    assert read_out(tmp_path / "out"), "no row was committed before the deadline"
+    workers = Path(f"/proc/{nodes[1].pid}/task/{nodes[1].pid}/children").read_text().split()
+    assert workers, "node 1's torchrun has no workers"
+    os.kill(int(workers[-1]), signal.SIGKILL)
+    killed = time.monotonic()
+    try:
+        logs = [p.communicate(timeout=300)[0] for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert time.monotonic() - killed < 60
+    assert all(p.returncode != 0 for p in nodes), [p.returncode for p in nodes]
+    assert "the run lost a rank" in logs[0] and "error: rank 0 of 2 (stage 0 of 2) on" in logs[0], logs[0][-3000:]
+    done = {(r["row_id"], r["sample_index"]) for r in read_out(tmp_path / "out")}
+    assert 0 < len(done) < 48
+    assert {r["status"] for r in read_out(tmp_path / "out")} == {"ok"}  # no row blamed for the lost rank
+    run_tp1(job)  # the resume: `dflash-batch run` starts both stages' ranks itself
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    run_tp1(kimi_job(whole, pair, "out", rows=24, max_new_tokens=40, rows_per_part=1))
+    assert_rows_equal_tp1(stable_rows(tmp_path / "out"), stable_rows(whole / "out"))

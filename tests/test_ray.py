@@ -141,7 +141,7 @@ def test_a_commit_leaves_out_rows_another_writer_committed(tmp_path):
     assert max(_keys(read_out(tmp_path / "out")).values()) == 1
 
 
-def test_committing_needs_row_ids_a_retry_is_refused_and_flowing_on_needs_neither(tmp_path):
+def test_committing_needs_row_ids_a_retry_or_ranks_are_refused_and_flowing_on_needs_neither(tmp_path):
     doc = load_job(DEMO).model_dump(mode="json")
     doc["input"]["id_column"] = None
     with pytest.raises(JobError, match="input.id_column"):
@@ -150,6 +150,11 @@ def test_committing_needs_row_ids_a_retry_is_refused_and_flowing_on_needs_neithe
                                                                   "where": ["error"]}}
     with pytest.raises(JobError, match="retry"):
         DFlashStage(retry, output_dir=tmp_path / "out")
+    for field in ("tensor_parallel_size", "pipeline_parallel_size"):  # one actor holds one rank
+        ranks = load_job(DEMO).model_dump(mode="json")
+        ranks["model"][field] = 2
+        with pytest.raises(JobError, match=f"model.{field} > 1 is not supported in a Ray stage"):
+            DFlashStage(ranks, output_dir=tmp_path / "out")
     stage = DFlashStage(doc)  # rows only flow on: nothing is written
     rows = [{k: v for k, v in r.items() if k != "id"} for r in _prompts(2)]
     out = stage(pa.Table.from_pylist(rows)).to_pylist()

@@ -213,6 +213,8 @@ class Engine:
                             if schedule.pinned is None:
                                 switch = schedule.why_stop(plan == NOWHERE)
                 except Exception as error:  # noqa: BLE001 - any failure: decide what it costs
+                    if parallel.lost_rank(error):  # the run cannot go on: no row is to blame
+                        raise
                     involved += [f for s in involved for f in s.followers]  # they wait on it
                     finished = self._recover(error, involved, q, batch, bucket)
                 for seq in finished:
