@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 _planned: int | None = None  # a world size models are built for without a group (sizing.py)
 _tally: Counter | None = None  # collectives' payloads by kind while tallied() (plan/work.py)
+_planned_stage = (0, 1)  # the stage planned() builds models for
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,9 @@ def leave_stages() -> None:
 
 def stage() -> tuple[int, int]:
     """(this rank's stage, stages): (0, 1) without pipeline stages."""
-    return (_stages.index, _stages.count) if _stages is not None and _planned is None else (0, 1)
+    if _planned is not None:
+        return _planned_stage
+    return (_stages.index, _stages.count) if _stages is not None else (0, 1)
 
 
 def last_stage() -> bool:
@@ -103,13 +106,15 @@ def last_stage() -> bool:
 def send_next(x: torch.Tensor) -> None:
     """Hand `x` to this rank's peer on the next stage."""
     _add("hand_off", x)
-    dist.send(x.contiguous(), dist.get_rank() + _stages.size)
+    if _planned is None:
+        dist.send(x.contiguous(), dist.get_rank() + _stages.size)
 
 
 def recv_prev(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """What this rank's peer on the previous stage handed on (its shape known to both)."""
     x = torch.empty(shape, dtype=dtype, device=device)
-    dist.recv(x, dist.get_rank() - _stages.size)
+    if _planned is None:
+        dist.recv(x, dist.get_rank() - _stages.size)
     return x
 
 
@@ -119,22 +124,25 @@ def from_last_stage(*tensors: torch.Tensor) -> None:
     index, count = stage()
     if count == 1:
         return
-    last = (count - 1) * _stages.size + dist.get_rank() % _stages.size
     for t in tensors:
         _add("from_last_stage", t)
-        dist.broadcast(t, last, group=_stages.peers)
+        if _planned is None:
+            last = (count - 1) * _stages.size + dist.get_rank() % _stages.size
+            dist.broadcast(t, last, group=_stages.peers)
 
 
 @contextmanager
-def planned(size: int) -> Iterator[None]:
-    """Build and run models as rank 0 of `size` ranks would, without a process group: for
-    planning a job on the meta device (collectives give their results' shapes, nothing more)."""
-    global _planned
+def planned(size: int, at_stage: tuple[int, int] = (0, 1)) -> Iterator[None]:
+    """Build and run models as rank 0 of `size` ranks would, without a process group, on stage
+    `at_stage` (index, stages): for planning a job on the meta device (collectives give their
+    results' shapes, nothing more)."""
+    global _planned, _planned_stage
     previous, _planned = _planned, size
+    previous_stage, _planned_stage = _planned_stage, at_stage
     try:
         yield
     finally:
-        _planned = previous
+        _planned, _planned_stage = previous, previous_stage
 
 
 @contextmanager
@@ -361,8 +369,9 @@ def init_from_env(backend: str | None = None) -> bool:
 
 def lost_rank(error: BaseException) -> bool:
     """Whether `error` is a collective or hand-off finding a rank of the run gone (NCCL's
-    DistError; gloo's "closed by peer"): the run's failure, never one request's."""
-    return isinstance(error, dist.DistError) or "closed by peer" in str(error)
+    DistError; any error of gloo's transport: a peer that closed or reset its connection, a read
+    that timed out): the run's failure, never one request's."""
+    return isinstance(error, dist.DistError) or "gloo/transport/" in str(error) or "by peer" in str(error)
 
 
 def leave_group() -> None:

@@ -120,6 +120,7 @@ class Plan:
     split: Layout | None = None  # split across the ranks (None: not asked, or the pair or TP size cannot)
     setting: bool | None = None  # engine.context_parallel (None: absent)
     decides: bool = True         # with the setting absent, the plan decides the split (engine.gpu_memory set)
+    at_stage: tuple[int, int] = (0, 1)  # the pipeline stage whose rank it sizes (index, stages)
 
     @property
     def base(self) -> int:
@@ -170,7 +171,9 @@ class Plan:
         """The plan in the layout the job runs, then each bucket in the other (where the latents can
         split)."""
         layout = f", {self.layout()}" if self.layout() else ""
-        lines = [*self.notes, f"per rank, TP{self.tp}, on a GPU of {gb(self.gpu)} GB{layout}:"]
+        index, stages = self.at_stage
+        where = f"TP{self.tp}, stage {index} of {stages} (the fullest)" if stages > 1 else f"TP{self.tp}"
+        lines = [*self.notes, f"per rank, {where}, on a GPU of {gb(self.gpu)} GB{layout}:"]
         lines += [f"  {name:<40} {size / GB:>8.2f} GB" for name, size in {**self.weights, **self.fixed}.items()]
         lines.append(f"  {'weights and fixed':<40} {self.base / GB:>8.2f} GB")
         if self.base > self.gpu:
@@ -241,9 +244,11 @@ _COMPONENTS = {("GatedMLA", "cache"): "MLA latent", ("KDA", "state"): "KDA state
 class Sizer:
     """The job's models on the meta device at one tensor-parallel size, and an engine over them."""
 
-    def __init__(self, job: Job, job_dir: Path, tp: int, setup: EngineSetup | None, latent_split: bool = False):
-        """`latent_split`: size the MLA latents split across the ranks by token (engine.context_parallel)."""
-        self.job, self.tp, self.split = job, tp, tp if latent_split else 1
+    def __init__(self, job: Job, job_dir: Path, tp: int, setup: EngineSetup | None, latent_split: bool = False,
+                 at_stage: tuple[int, int] = (0, 1)):
+        """`latent_split`: size the MLA latents split across the ranks by token (engine.context_parallel);
+        `at_stage`: (index, stages): a rank of that pipeline stage (its layers, models/stages.py)."""
+        self.job, self.tp, self.split, self.at_stage = job, tp, tp if latent_split else 1, at_stage
         self.notes: list[str] = []
         paths = {}
         for role in ("target", "drafter"):
@@ -260,17 +265,17 @@ class Sizer:
                           + self.setup.describe().removeprefix("engine: "))
         dtype = DTYPES[job.model.dtype]
         self.dtype_bytes = torch.empty(0, dtype=dtype).element_size()
-        with parallel.planned(tp):
+        with parallel.planned(tp, self.at_stage):
             self.target = _build(paths["target"], dtype)
             self.drafter = _build(paths["drafter"], dtype) if "drafter" in paths else None
-        if self.drafter is not None:
-            attach_drafter(self.target, self.drafter)
+            if self.drafter is not None:
+                attach_drafter(self.target, self.drafter)
         self.engine = Engine(self.target, self.drafter, page_size=job.engine.page_size,
                              max_num_batched_tokens=job.engine.max_num_batched_tokens, dtype=dtype, device="meta",
                              attention=_Planned(self.setup.backend, self.split),
                              capture_sizes=self.setup.capture_sizes, share_prompts=job.engine.share_prompts,
                              shared_head_tokens=job.engine.shared_head_tokens)
-        with parallel.planned(tp):
+        with parallel.planned(tp, self.at_stage):
             torch_kernels = self.setup.kernels == "torch"
             self.widths = {m: activations.widths(m, self.dtype_bytes, torch_kernels)
                            for m in (self.target, self.drafter) if m}
@@ -314,7 +319,7 @@ class Sizer:
         the torch backend with this layout's latent split (plan/work.py; rounds of n rows do n times
         this: tests/test_work.py)."""
         one = dataclasses.replace(bucket, max_num_seqs=1)
-        with parallel.planned(self.tp):
+        with parallel.planned(self.tp, self.at_stage):
             batch = self.engine.allocate(one)
             self._grow(batch)
             step = self.engine.rounds[batch.block]
@@ -336,7 +341,7 @@ class Sizer:
         return memory_read(tokens, sum(weights.values()) - routed, routed, caches, *experts)
 
     def need(self, bucket: Bucket) -> BucketNeed:
-        with parallel.planned(self.tp):
+        with parallel.planned(self.tp, self.at_stage):
             batch = self.engine.allocate(bucket)  # its caches hold the shared heads' pool (engine/heads.py)
             self._grow(batch)
             block, keys = batch.block, bucket.max_tokens + batch.block
@@ -389,7 +394,7 @@ class Sizer:
         """A split MLA layer's gathered heads and merge (none without a split)."""
         if self.split == 1:
             return 0
-        with parallel.planned(self.tp):
+        with parallel.planned(self.tp, self.at_stage):
             return activations.latent_split_bytes(model, self.dtype_bytes, tokens)
 
     def _round(self, rows: int, block: int, keys: int) -> int:
@@ -443,7 +448,35 @@ def plan_job(job: Job, job_dir: Path, gpu: int, tp: int | None = None, reserve: 
     tp = job.model.tensor_parallel_size if tp is None else tp
     if tp < 1:
         raise JobError(f"a tensor-parallel size of {tp}: give 1 or more ranks")
-    sizer = Sizer(job, job_dir, tp, setup)
+    stages = job.model.pipeline_parallel_size
+    plans = [_stage_plan(job, job_dir, gpu, tp, reserve, setup, with_split, (i, stages)) for i in range(stages)]
+    if stages == 1:
+        return plans[0]
+    # Every stage must hold its buckets: the plan shown is the fullest stage's, each bucket's
+    # largest batch the least any stage holds, and a line a stage.
+    fullest = max(plans, key=lambda p: p.base + sum(n.total for n in p.runs.needs))
+    least = {name: [min(getattr(p, name).largest[i] for p in plans) for i in range(len(fullest.runs.needs))]
+             for name in ("whole", "split") if getattr(fullest, name) is not None}
+    notes = [*fullest.notes, *(f"stage {p.at_stage[0]} of {stages}: {_held(p)}, weights and fixed "
+                               f"{p.base / GB:.2f} GB, with bucket {p.runs.needs[0].bucket.name} "
+                               f"{(p.base + p.runs.needs[0].total) / GB:.2f} GB" for p in plans)]
+    return dataclasses.replace(fullest, notes=notes,
+                               **{name: dataclasses.replace(getattr(fullest, name), largest=largest)
+                                  for name, largest in least.items()})
+
+
+def _held(plan: Plan) -> str:
+    """"layers a-b[, the head and drafter]" of the stage a plan sizes."""
+    target = plan.whole.sizer.target
+    last = " and the LM head" + (" and drafter" if plan.whole.sizer.drafter else "") \
+        if target.held.stop == target.num_layers else ""
+    return f"target layers {target.held.start}-{target.held.stop - 1}{last}"
+
+
+def _stage_plan(job: Job, job_dir: Path, gpu: int, tp: int, reserve: int | None, setup: EngineSetup | None,
+                with_split: bool, at_stage: tuple[int, int]) -> Plan:
+    """plan_job for a rank of one pipeline stage."""
+    sizer = Sizer(job, job_dir, tp, setup, at_stage=at_stage)
     weights, fixed = sizer.weights(), sizer.fixed(gpu, reserve)
     base, buckets = held_besides_buckets(weights, fixed), plan_buckets(job)
 
@@ -454,9 +487,9 @@ def plan_job(job: Job, job_dir: Path, gpu: int, tp: int | None = None, reserve: 
 
     split = None
     if with_split and sizer.can_split():
-        split = layout(Sizer(job, job_dir, tp, sizer.setup, latent_split=True))
+        split = layout(Sizer(job, job_dir, tp, sizer.setup, latent_split=True, at_stage=at_stage))
     return Plan(tp, gpu, weights, fixed, layout(sizer), sizer.notes, split, job.engine.context_parallel,
-                job.engine.gpu_memory is not None)
+                job.engine.gpu_memory is not None, at_stage)
 
 
 def _largest(fits, limit: int = 1 << 14) -> int:

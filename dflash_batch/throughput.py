@@ -6,11 +6,11 @@ Each round's work is counted once for one sequence at each verify width (sizing.
 engine's own round on the meta device) and scaled by the sequences. Layouts side by side, at the
 best draft count of the one run: the job's tensor-parallel group with the MLA latents whole and
 split (where they split), and pipeline stages across NVLink domains with tensor parallelism
-inside each, sized before the project runs them: the stages' layers balanced, as many
-micro-batches as stages, each stage reading its weights once a micro-batch, its NIC carrying one
-hand-off a micro-batch (the hidden rows, Kimi-K3's attention-residual blocks and the drafter's
-taps so far), and the sequences assumed to fit as they do in the group (a GPU holds 1/GPUs of
-the layers either way).
+inside each: each stage's part of the round counted on its own layers (models/stages.py), its
+NIC carrying what it hands on (the rows' hidden states, Kimi-K3's attention-residual blocks and
+the drafter's taps so far) and the last stage's results back; as the project runs stages (one
+micro-batch, the stages taking turns) and with as many micro-batches as stages (not run yet),
+the sequences assumed to fit as they do in the group.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ class RoundAt:
                 f"{1e3 * f.nic:>6.1f}  {f.binding:<8} {self.per_gpu:>10,.0f}")
 
 
+BETWEEN_STAGES = ("hand_off", "from_last_stage")  # parallel.py's traffic between pipeline stages: the NIC's
 COLUMNS = f"{'tokens':>7} {'memory':>8} {'compute':>8} {'NVLink':>7} {'NIC':>6}  {'binds':<8} {'tok/s/GPU':>10}"
 
 
@@ -60,7 +61,7 @@ class Roofline:
         self.plan, self.job, self.job_dir, self.hw, self.alpha = plan, job, job_dir, hw, alpha
         self.per_domain, self.dtype = per_domain, job.model.dtype
         self.works: dict[tuple[int, int, int], Work] = {}  # (sizer id, bucket index, width) -> one row's
-        self.stage_sizer: Sizer | None = None  # the models at a pipeline stage's TP size (staged)
+        self.stage_sizers: list[Sizer] | None = None  # each pipeline stage's models at its TP size (staged)
         hw.peak(self.dtype)  # a GPU without a figure for the dtype: refused before any counting
 
     def _work(self, sizer: Sizer, i: int, bucket: Bucket, width: int) -> Work:
@@ -84,51 +85,51 @@ class Roofline:
         """Bucket i's round at each number of drafts its block may verify."""
         return [self.on(layout, i, seqs, k) for k in range(layout.needs[i].block)]
 
-    def staged(self, i: int, seqs: int, k: int) -> tuple[str, RoundAt] | None:
-        """Bucket i's round with pipeline stages across NVLink domains (None: one domain holds the
-        group, or its ranks do not split evenly into them)."""
+    def staged(self, i: int, seqs: int, k: int) -> list[tuple[str, RoundAt]]:
+        """Bucket i's round with pipeline stages across NVLink domains, TP inside each ([]: one
+        domain holds the group, or its ranks do not split evenly into them): as the project runs
+        it (one micro-batch: the stages take turns, a round the sum of their floors), and with as
+        many micro-batches as stages (not run yet: a round is the busiest stage's micro-batches)."""
         tp, g = self.plan.tp, self.per_domain
         if tp <= g or tp % g:
-            return None
-        stages, runs = tp // g, self.plan.runs
+            return []
+        stages = tp // g
         try:
-            sizer = self._stage_sizer()
+            sizers = self._stage_sizers(stages)
         except JobError:  # a width that does not split over a domain's ranks: no such layout
-            return None
-        bucket, width = runs.needs[i].bucket, k + 1
-        micro = -(-seqs // stages)  # sequences a micro-batch: as many micro-batches as stages
-        work = self._work(sizer, i, bucket, width).times(micro / stages)
-        caches = sizer.need(dataclasses.replace(bucket, max_num_seqs=micro)).caches
-        weights = sizer.read(bucket, micro, micro * width) - caches  # the touched experts of a micro-batch
-        read = weights / stages + sizer.need(dataclasses.replace(bucket, max_num_seqs=seqs)).caches / stages / stages
-        inside = floors(int(read), work, self.hw, self.dtype, g, g)
-        hand_off = micro * width * self._hand_off_row(sizer, stages) / g  # each rank of a stage sends its share
-        per_micro = dataclasses.replace(inside, nic=hand_off / (self.hw.nic_gbps * 1e9))
-        at = Floors(*(stages * t for t in (per_micro.memory, per_micro.compute, per_micro.nvlink, per_micro.nic)))
+            return []
         tokens = expected_tokens(self.alpha, k)
-        name = f"{stages} stages x TP{g} ({stages} micro-batches; sized, not run yet)"
-        return name, RoundAt(seqs, k, tokens, at, tokens_per_gpu(seqs, tokens, at, tp))
+        turns = [self._stage_floors(s, i, seqs, k) for s in sizers]
+        run = Floors(*(sum(getattr(f, name) for f in turns) for name in ("memory", "compute", "nvlink", "nic")))
+        micro = -(-seqs // stages)
+        busiest = max((self._stage_floors(s, i, micro, k) for s in sizers), key=lambda f: f.seconds)
+        piped = Floors(*(stages * getattr(busiest, name) for name in ("memory", "compute", "nvlink", "nic")))
+        return [(f"{stages} stages x TP{g}, as run (stages take turns)",
+                 RoundAt(seqs, k, tokens, run, tokens_per_gpu(seqs, tokens, run, tp))),
+                (f"{stages} stages x TP{g}, {stages} micro-batches (not run yet)",
+                 RoundAt(seqs, k, tokens, piped, tokens_per_gpu(seqs, tokens, piped, tp)))]
 
-    def _stage_sizer(self) -> Sizer:
-        """The models as a stage's TP group holds them (every layer: a stage holds 1/stages of them),
-        the latents split where the job splits them and the domain's ranks can; built once."""
-        if self.stage_sizer is None:
+    def _stage_floors(self, sizer: Sizer, i: int, seqs: int, k: int) -> Floors:
+        """A stage's floors for its part of a round of `seqs` sequences (counted on its own layers):
+        its collectives inside its domain, what it hands on and takes back over the NIC."""
+        bucket, width = self.plan.runs.needs[i].bucket, k + 1
+        rows = sizer.engine.padded(seqs)
+        work = self._work(sizer, i, bucket, width).times(rows)
+        across = sum(work.collectives.get(kind, 0) for kind in BETWEEN_STAGES)
+        inside = Work(work.flops, {kind: b for kind, b in work.collectives.items() if kind not in BETWEEN_STAGES})
+        at = floors(sizer.read(bucket, seqs, rows * width), inside, self.hw, self.dtype, self.per_domain,
+                    self.per_domain)
+        return dataclasses.replace(at, nic=across / (self.hw.nic_gbps * 1e9))
+
+    def _stage_sizers(self, stages: int) -> list[Sizer]:
+        """The models as each stage's TP group holds them (its layers: models/stages.py), the latents
+        split where the job splits them and the domain's ranks can; built once."""
+        if self.stage_sizers is None:
             runs, g = self.plan.runs, self.per_domain
-            sizer = Sizer(self.job, self.job_dir, g, runs.sizer.setup, latent_split=runs.ways > 1)
-            if runs.ways > 1 and not sizer.can_split():
-                sizer = Sizer(self.job, self.job_dir, g, runs.sizer.setup)
-            self.stage_sizer = sizer
-        return self.stage_sizer
-
-    def _hand_off_row(self, sizer: Sizer, stages: int) -> int:
-        """Bytes a stage boundary passes on a target row: its hidden state, the attention-residual
-        blocks written before it (Kimi-K3: one every attn_res_block_size layers, from layer 0) and
-        the drafter's taps before it, at the last boundary (the most of them)."""
-        config = sizer.config
-        boundary = config["num_hidden_layers"] * (stages - 1) // stages
-        blocks = -(-boundary // config["attn_res_block_size"]) if "attn_res_block_size" in config else 0
-        taps = sum(t < boundary for t in getattr(sizer.target, "tap_ids", []))
-        return config["hidden_size"] * sizer.dtype_bytes * (1 + blocks + taps)
+            split = runs.ways > 1 and Sizer(self.job, self.job_dir, g, runs.sizer.setup, latent_split=True).can_split()
+            self.stage_sizers = [Sizer(self.job, self.job_dir, g, runs.sizer.setup, latent_split=split,
+                                       at_stage=(s, stages)) for s in range(stages)]
+        return self.stage_sizers
 
     def table(self) -> str:
         """Each bucket's round by k in the layout run, at the job's sequences, its best k there and at
@@ -164,8 +165,7 @@ class Roofline:
         other = plan.other
         if other is not None and other.largest[i]:
             rows.append((f"TP{plan.tp}, {other.name}", self.on(other, i, other.largest[i], k)))
-        if (staged := self.staged(i, seqs, k)) is not None:
-            rows.append(staged)
+        rows += self.staged(i, seqs, k)
         out = [f"    {f'layouts at k = {k}:':<64} {'seqs':>4} {COLUMNS}"]
         return out + [f"      {name:<62} {r.seqs:>4} {r.row()}" for name, r in rows]
 

@@ -1,6 +1,6 @@
 """jobs/k8s/indexed-job.yaml, read as Kubernetes would read its fields (no cluster here): an
 Indexed Job whose every index resolves to its own shard of DFLASH_SHARDS = completions, GPUs a
-pod = the job file's tensor_parallel_size, every path the job reads or writes on a mounted
+pod = the job file's ranks (tensor_parallel_size x pipeline_parallel_size), every path the job reads or writes on a mounted
 volume, evictions not counted as failures, and the exit codes that no rerun can mend failing
 their index at once."""
 
@@ -43,7 +43,7 @@ def test_an_indexed_job_whose_indices_are_the_shards():
     job = load_job(_job_file(container))
     shards = [resolve_shard(job.sharding, {**env, "JOB_COMPLETION_INDEX": str(i)}) for i in range(spec["completions"])]
     assert shards == [Shard(i, spec["completions"]) for i in range(spec["completions"])]
-    assert container["resources"]["limits"]["nvidia.com/gpu"] == job.model.tensor_parallel_size
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == job.model.ranks  # TP x PP, all in the pod
 
 
 def test_failures_evictions_and_the_grace_to_commit():

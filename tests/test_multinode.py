@@ -91,6 +91,27 @@ def torchrun_node(node: int, port: int, job_file: Path, per_node: int = 2, **pop
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
 
 
+def kill_a_rank_of_node_1_once_rows_commit(nodes: list[subprocess.Popen], out: Path) -> tuple[list[str], float]:
+    """SIGKILL one rank of node 1 (it can say nothing) once a row is committed in `out`; returns
+    both launches' logs and the seconds they took to end after it, each having failed."""
+    deadline = time.monotonic() + 600
+    while not read_out(out) and time.monotonic() < deadline and all(p.poll() is None for p in nodes):
+        time.sleep(0.2)
+    assert read_out(out), "no row was committed before the deadline"
+    workers = Path(f"/proc/{nodes[1].pid}/task/{nodes[1].pid}/children").read_text().split()  # torchrun's
+    assert workers, "node 1's torchrun has no workers"
+    os.kill(int(workers[-1]), signal.SIGKILL)
+    killed = time.monotonic()
+    try:
+        logs = [p.communicate(timeout=300)[0] for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert all(p.returncode != 0 for p in nodes), [p.returncode for p in nodes]
+    return logs, time.monotonic() - killed
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory) -> tuple[Path, Path]:
     return make_cli_kimi_pair(tmp_path_factory.mktemp("kimi_cli"))
@@ -154,20 +175,7 @@ def test_a_rank_killed_on_one_node_stops_both_and_the_survivors_name_themselves(
     job = kimi_job(tmp_path, pair, "out", rows=60, tp=4, max_new_tokens=48, rows_per_part=1)
     port = free_port()
     nodes = [torchrun_node(n, port, job, start_new_session=True) for n in (0, 1)]
-    deadline = time.monotonic() + 600
-    while not read_out(tmp_path / "out") and time.monotonic() < deadline and all(p.poll() is None for p in nodes):
-        time.sleep(0.2)
-    assert read_out(tmp_path / "out"), "no row was committed before the deadline"
-    workers = Path(f"/proc/{nodes[1].pid}/task/{nodes[1].pid}/children").read_text().split()  # torchrun's
-    assert workers, "node 1's torchrun has no workers"
-    os.kill(int(workers[-1]), signal.SIGKILL)  # one rank of node 1, outright: it can say nothing
-    try:
-        logs = [p.communicate(timeout=300)[0] for p in nodes]
-    finally:
-        for p in nodes:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-    assert all(p.returncode != 0 for p in nodes), [p.returncode for p in nodes]
+    logs, _ = kill_a_rank_of_node_1_once_rows_commit(nodes, tmp_path / "out")
     assert "the run lost a rank" in logs[0], logs[0][-3000:]
     assert "error: rank 0 of 4 on" in logs[0] or "error: rank 1 of 4 on" in logs[0], logs[0][-3000:]
     done = {(r["row_id"], r["sample_index"]) for r in read_out(tmp_path / "out")}
@@ -202,22 +210,8 @@ def test_a_stage_killed_stops_every_rank_within_a_minute_and_resume_finishes_the
     job = kimi_job(tmp_path, pair, "out", rows=24, pp=2, max_new_tokens=40, rows_per_part=1)
     port = free_port()
     nodes = [torchrun_node(n, port, job, per_node=1, start_new_session=True) for n in (0, 1)]
-    deadline = time.monotonic() + 600
-    while not read_out(tmp_path / "out") and time.monotonic() < deadline and all(p.poll() is None for p in nodes):
-        time.sleep(0.2)
-    assert read_out(tmp_path / "out"), "no row was committed before the deadline"
-    workers = Path(f"/proc/{nodes[1].pid}/task/{nodes[1].pid}/children").read_text().split()
-    assert workers, "node 1's torchrun has no workers"
-    os.kill(int(workers[-1]), signal.SIGKILL)
-    killed = time.monotonic()
-    try:
-        logs = [p.communicate(timeout=300)[0] for p in nodes]
-    finally:
-        for p in nodes:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-    assert time.monotonic() - killed < 60
-    assert all(p.returncode != 0 for p in nodes), [p.returncode for p in nodes]
+    logs, seconds = kill_a_rank_of_node_1_once_rows_commit(nodes, tmp_path / "out")
+    assert seconds < 60
     assert "the run lost a rank" in logs[0] and "error: rank 0 of 2 (stage 0 of 2) on" in logs[0], logs[0][-3000:]
     done = {(r["row_id"], r["sample_index"]) for r in read_out(tmp_path / "out")}
     assert 0 < len(done) < 48

@@ -10,17 +10,28 @@ import json
 import random
 import re
 
+from datetime import timedelta
+
 import pytest
 import safetensors
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from dflash_batch import parallel
+from dflash_batch import parallel, sizing
+from dflash_batch.job import parse_job
+from dflash_batch.sizing import plan_job
+from dflash_batch.engine.engine import Engine
+from dflash_batch.engine.pair import attach_drafter
+from dflash_batch.engine.request import Request, SamplingParams
 from dflash_batch.models import loader
 from dflash_batch.models.loader import load_model
 from dflash_batch.models.stages import balanced_spans
+from dflash_batch.plan.buckets import Bucket
 from tests import engine_tp_worker
 from dflash_batch.testing.kimi_pair import VOCAB, make_kimi_pair
 from tests.engine_util import make_drafter, make_target, random_prompts
+from tests.test_faults import inject
 from tests.test_tp import free_port
 
 
@@ -146,3 +157,74 @@ def test_a_stage_reads_only_its_own_tensors(tmp_path, monkeypatch, family):
                 name = f"model.layers.{i}." + name.split(".", 3)[3]
             torch.testing.assert_close(value, whole[name], rtol=0, atol=0)
     assert held_by[0].stop == held_by[1].start and held_by[1].stop == layers and held_by[0].start == 0
+
+
+def test_the_memory_plan_holds_what_each_stage_loads(tmp_path, monkeypatch):
+    """plan_job at pipeline_parallel_size 2: each stage's weights are those its rank loads (the
+    real loader, at that stage), its caches those of the layers it holds; the plan shown is the
+    fuller stage's, each bucket's largest batch the least of the two."""
+    target, drafter = make_kimi_pair(tmp_path / "pair", moe_intermediate_size=64)
+    doc = {"input": {"paths": ["p.jsonl"], "prompt_column": "prompt"}, "output": {"dir": "out"},
+           "model": {"target": str(target), "drafter": str(drafter), "dtype": "float32",
+                     "pipeline_parallel_size": 2},
+           "engine": {"max_model_len": 256, "backend": "torch"},
+           "buckets": [{"max_tokens": 256, "max_num_seqs": 4}]}
+    job, gpu = parse_job(doc), 2**30
+    whole = plan_job(parse_job({**doc, "model": {**doc["model"], "pipeline_parallel_size": 1}}), tmp_path, gpu)
+    stages = [sizing._stage_plan(job, tmp_path, gpu, 1, None, None, False, (s, 2)) for s in range(2)]
+    for s, plan in enumerate(stages):
+        monkeypatch.setattr(parallel, "stage", lambda s=s: (s, 2))
+        model = load_model(target, torch.float32)
+        held = sum(p.nbytes for p in [*model.parameters(), *model.buffers()])
+        assert sum(v for k, v in plan.weights.items() if k.startswith("target")) == held
+    monkeypatch.undo()
+    layers = [p.whole.needs[0].parts["target KDA state"] + p.whole.needs[0].parts["target MLA latent"]
+              for p in (*stages, whole)]
+    assert layers[0] + layers[1] == layers[2] and 0 < layers[0] < layers[2]
+    plan = plan_job(job, tmp_path, gpu)
+    assert plan.at_stage in ((0, 2), (1, 2)) and "(the fullest)" in plan.table()
+    assert plan.whole.largest == [min(p.whole.largest[0] for p in stages)]
+    assert any(line.startswith("stage 1 of 2: target layers 4-7 and the LM head") for line in plan.notes)
+
+
+def decode_with_a_nan(target: str, drafter: str, prompts: list[list[int]]) -> dict:
+    """Each request's (tokens, finish reason, error type), the last stage's logits of one row made
+    NaN in the fifth verify (tests/test_faults.py's injection; a stage before the last has none)."""
+    t, d = load_model(target, torch.float64), load_model(drafter, torch.float64)
+    attach_drafter(t, d)
+
+    def nan_in_row0(meta, result):
+        logits, taps = result
+        logits = logits.clone()
+        logits[meta.q_index[0][meta.q_index[0] < meta.num_rows]] = float("nan")
+        return logits, taps
+
+    if parallel.last_stage():
+        inject(t, "verify", nan_in_row0, calls={5})
+    reqs = [Request((str(i), 0), p, SamplingParams(max_new_tokens=16, seed=i)) for i, p in enumerate(prompts)]
+    return {c.key[0]: (c.token_ids, c.finish_reason, c.error_type)
+            for c in Engine(t, d, dtype=torch.float64).generate(iter(reqs), Bucket(0, "0-1024", 1024, 4, True, None))}
+
+
+def nan_rank(rank: int, port: int, target: str, drafter: str, prompts: list[list[int]], out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    parallel.form_stages(2)
+    try:
+        torch.set_num_threads(1)
+        torch.save(decode_with_a_nan(target, drafter, prompts), f"{out}/rank{rank}.pt")
+    finally:
+        parallel.leave_stages()
+        dist.destroy_process_group()
+
+
+@pytest.mark.numerics
+@pytest.mark.no_rerun
+def test_a_row_whose_logits_are_not_finite_is_an_error_row_on_every_stage(tmp_path):
+    target, drafter = make_target(tmp_path / "target", num_hidden_layers=3), tmp_path / "drafter"
+    make_drafter(drafter, 2, block_size=8)
+    prompts = random_prompts([3, 40, 9, 25, 14], seed=21)
+    want = decode_with_a_nan(str(target), str(drafter), prompts)
+    assert [v[2] for v in want.values()].count("non_finite_logits") == 1
+    mp.spawn(nan_rank, args=(free_port(), str(target), str(drafter), prompts, str(tmp_path)), nprocs=2)
+    assert [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)] == [want, want]

@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 from torch.utils.flop_counter import FlopCounterMode, register_flop_formula, sdpa_flop_count
 
 from dflash_batch.backends import torch_attention
+from dflash_batch import parallel
 from dflash_batch.backends.latent_split import LatentSplit
 from dflash_batch.backends.torch_attention import TORCH, TorchAttention
 from dflash_batch.engine.engine import Engine
@@ -37,15 +38,17 @@ def _cpu_sdpa(query, key, value, *args, out_shape=None, **kwargs) -> int:
     return sdpa_flop_count(query, key, value)
 
 
-def sizer_of(target: Path, drafter: Path, greedy: bool, tp: int = 1, split: bool = False) -> Sizer:
-    """The plan's models for a job of this pair whose rows decode greedily or sample."""
+def sizer_of(target: Path, drafter: Path, greedy: bool, tp: int = 1, split: bool = False,
+             at_stage: tuple[int, int] = (0, 1)) -> Sizer:
+    """The plan's models for a job of this pair whose rows decode greedily or sample (a rank of
+    stage `at_stage`)."""
     job = parse_job({"input": {"paths": ["p.jsonl"], "prompt_column": "prompt"}, "output": {"dir": "out"},
                      "model": {"target": str(target), "drafter": str(drafter), "dtype": "float32",
                                "tensor_parallel_size": tp},
                      "engine": {"max_model_len": 256, "context_parallel": split or None, "backend": "torch"},
                      "sampling": {"temperature": 0.0 if greedy else 1.0},
                      "buckets": [{"max_tokens": 256, "max_num_seqs": 4}]})
-    return Sizer(job, target.parent, tp, None, latent_split=split)
+    return Sizer(job, target.parent, tp, None, latent_split=split, at_stage=at_stage)
 
 
 @pytest.fixture(scope="module")
@@ -140,17 +143,19 @@ def _counting(name: str, payload_arg: int, into: dict):
 
 
 def rank_round(rank: int, ranks: int, port: int, target: str, drafter: str, split: bool, width: int,
-               greedy: bool, out: str) -> None:
-    """One round of 3 padding rows on this gloo rank, counting what reaches torch.distributed."""
+               greedy: bool, out: str, stages: int = 1) -> None:
+    """One round of 3 padding rows on this gloo rank (of `stages` pipeline stages), counting what
+    reaches torch.distributed."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks)
+    parallel.form_stages(stages)
     try:
         torch.set_num_threads(1)
         counted: dict[str, int] = {}
         for name, at in (("all_reduce", 0), ("all_gather", 1), ("all_gather_into_tensor", 1),
-                         ("all_gather_single", 1), ("reduce_scatter_tensor", 1), ("broadcast", 0)):
+                         ("all_gather_single", 1), ("reduce_scatter_tensor", 1), ("broadcast", 0), ("send", 0)):
             if hasattr(dist, name):
                 setattr(dist, name, _counting(name, at, counted))
-        attention = TorchAttention(LatentSplit(ranks, rank)) if split else TORCH
+        attention = TorchAttention(LatentSplit(parallel.world_size(), parallel.rank())) if split else TORCH
         engine = Engine(*load_pair(Path(target), Path(drafter)), device="cpu", attention=attention)
         engine.allocate(dataclasses.replace(BUCKET, max_num_seqs=3))
         batch, step = engine.bucket_state[2], engine.bucket_state[3]
@@ -159,6 +164,7 @@ def rank_round(rank: int, ranks: int, port: int, target: str, drafter: str, spli
             step.run(batch, 3, greedy, CONTEXT + batch.block, width)
         torch.save(counted, Path(out) / f"rank{rank}.pt")
     finally:
+        parallel.leave_stages()
         dist.destroy_process_group()
 
 
@@ -185,3 +191,25 @@ def test_the_plans_collective_bytes_are_what_reaches_torch_distributed(tp_pair, 
         assert planned.get("all_reduce", 0) + planned.get("reduce_scatter", 0) == sent.get("all_reduce", 0), rank
         assert sum(planned.values()) == sum(sent.values()), (rank, planned, sent)
     assert ("reduce_scatter" in planned) == split
+
+
+@pytest.mark.parametrize("ranks, split, width, greedy", [(2, False, 8, True), (4, True, 3, False)])
+def test_a_stages_hand_offs_and_collectives_are_what_reaches_torch_distributed(tp_pair, tmp_path, ranks, split,
+                                                                               width, greedy):
+    """Two pipeline stages of ranks / 2: each stage's planned round (counted on its own layers)
+    hands on what its ranks send, takes back what the last stage broadcasts, and runs the
+    collectives of its tensor-parallel group, to the byte."""
+    target, drafter = tp_pair
+    mp.spawn(rank_round, args=(ranks, free_port(), str(target), str(drafter), split, width, greedy, str(tmp_path), 2),
+             nprocs=ranks)
+    tp = ranks // 2
+    for stage in range(2):
+        planned = sizer_of(target, drafter, greedy, tp, split, (stage, 2)).work(BUCKET, width).times(3).collectives
+        assert (planned.get("hand_off", 0) > 0) == (stage == 0) and planned["from_last_stage"] > 0
+        for rank in range(stage * tp, (stage + 1) * tp):
+            sent = torch.load(tmp_path / f"rank{rank}.pt")
+            assert planned.get("hand_off", 0) == sent.get("send", 0), (rank, planned, sent)
+            assert planned["from_last_stage"] == sent["broadcast"], (rank, planned, sent)
+            gathered = sum(v for k, v in sent.items() if k.startswith("all_gather"))
+            assert planned.get("all_gather", 0) == gathered, (rank, planned, sent)
+            assert planned.get("all_reduce", 0) + planned.get("reduce_scatter", 0) == sent.get("all_reduce", 0)
