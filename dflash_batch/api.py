@@ -91,6 +91,8 @@ def generate(rows: Iterable[dict] | pa.Table, job: Job | str | Path | dict, *,
     those committed by an earlier call first, then each new one as it finishes. `engine_factory`:
     the engine to use (default: built from the job, as the CLI does)."""
     job = as_job(job)
+    if engine_factory is None:
+        _check_ranks(job)
     out_dir = Path(job.output.dir).resolve()
     with _running_lock:
         if out_dir in _running:
@@ -106,6 +108,21 @@ def generate(rows: Iterable[dict] | pa.Table, job: Job | str | Path | dict, *,
     finally:
         with _running_lock:
             _running.discard(out_dir)
+
+
+def _check_ranks(job: Job) -> None:
+    """generate builds the engine in this process: a job of several ranks needs them all calling it
+    in one process group (torchrun; tensor parallelism only), or `dflash-batch run`."""
+    from dflash_batch import parallel
+
+    m = job.model
+    if m.pipeline_parallel_size > 1:
+        raise JobError(f"model.pipeline_parallel_size {m.pipeline_parallel_size}: generate runs no pipeline "
+                       "stages; run the job with `dflash-batch run`")
+    if m.tensor_parallel_size != parallel.run_size():
+        raise JobError(f"model.tensor_parallel_size {m.tensor_parallel_size}, but this process is one of "
+                       f"{parallel.run_size()} ranks: call generate on every rank of a group of that size "
+                       "(torchrun), or run the job with `dflash-batch run`")
 
 
 def _run(job: Job, engine_factory: EngineFactory, shard: Shard, progress: bool) -> Iterator[dict]:

@@ -159,3 +159,15 @@ def test_a_run_whose_rows_mostly_failed_raises_after_yielding_them(tmp_path, mod
     lenient = {**doc, "output": {**doc["output"], "dir": "lenient", "max_error_fraction": 0.8}}
     assert len(list(dflash_batch.generate(rows, write_job(tmp_path, lenient, "l.yaml"),
                                           engine_factory=fake_factory()))) == 4
+
+
+@pytest.mark.parametrize("field, refused", [("tensor_parallel_size", "this process is one of 1 ranks"),
+                                            ("pipeline_parallel_size", "generate runs no pipeline stages")])
+def test_a_job_of_several_ranks_is_refused_outside_their_group(tmp_path, model_dir, field, refused):
+    """generate builds the engine in this process: it would run the whole model here, ignoring the
+    ranks the job asks for; it says so before loading anything or writing a row."""
+    doc = _doc(model_dir, dir=str(tmp_path / "out"))
+    doc["model"][field] = 2
+    with pytest.raises(JobError, match=refused):
+        next(dflash_batch.generate(_rows(2), doc))
+    assert not (tmp_path / "out").exists()

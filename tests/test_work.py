@@ -213,3 +213,16 @@ def test_a_stages_hand_offs_and_collectives_are_what_reaches_torch_distributed(t
             gathered = sum(v for k, v in sent.items() if k.startswith("all_gather"))
             assert planned.get("all_gather", 0) == gathered, (rank, planned, sent)
             assert planned.get("all_reduce", 0) + planned.get("reduce_scatter", 0) == sent.get("all_reduce", 0)
+
+
+@pytest.mark.parametrize("family", ["kimi", "qwen3"])
+def test_the_stages_rounds_add_up_to_the_whole_round(pairs, family):
+    """Each layer runs on one stage, the head and drafter on the last: two stages' FLOPs a round,
+    component by component, are the whole model's."""
+    target, drafter = pairs[family]
+    for width, greedy in ((8, True), (3, False)):
+        whole = sizer_of(target, drafter, greedy).work(BUCKET, width).flops
+        parts = [sizer_of(target, drafter, greedy, at_stage=(s, 2)).work(BUCKET, width).flops for s in range(2)]
+        assert all(parts) and set(parts[0]) | set(parts[1]) == set(whole)
+        for component, flops in whole.items():
+            assert parts[0].get(component, 0) + parts[1].get(component, 0) == pytest.approx(flops, rel=1e-12), component
