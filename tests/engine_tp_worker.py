@@ -76,7 +76,8 @@ def run(rank: int, world_size: int, port: int, target_dir: str, drafter_dir: str
         prompts: list[list[int]], runs: dict[str, dict], out_dir: str, graphs: bool = False,
         device: str = "cpu", costs_by_rank: list[list[float]] | None = None, group_rows: int | None = None,
         latent_split: bool = False, backend: str = "torch", stages: int = 1, speculation: bool = True) -> None:
-    """`stages`: the ranks split into that many pipeline stages (parallel.form_stages). `costs_by_rank`: an auto bucket (speculation: auto) whose round costs each rank reads from
+    """`stages`: the ranks split into that many pipeline stages (parallel.form_stages).
+    `costs_by_rank`: an auto bucket (speculation: auto) whose round costs each rank reads from
     here (seconds by verify width) instead of timing them; `group_rows`: verify rows each rank
     gathers and samples at once (engine/choice.py), default as many as its vocabulary allows."""
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -142,16 +143,18 @@ def assert_tp2_equals_tp1(target_dir: str, drafter_dir: str, prompts: list[list[
 
 
 def assert_auto_ranks_agree(target_dir: str, drafter_dir: str, prompts: list[list[int]], out_dir: str,
-                            port: int, costs_by_rank: list[list[float]], latent_split: bool = False) -> None:
+                            port: int, costs_by_rank: list[list[float]], latent_split: bool = False,
+                            stages: int = 1) -> None:
     """An auto bucket on two gloo ranks whose round costs disagree: both ranks verify the drafts
     rank 0 plans (the same accepted drafts every round) and decode what one process decodes
-    (`latent_split`: the ranks split the MLA latents)."""
+    (`latent_split`: the ranks split the MLA latents; `stages` 2: they are two pipeline stages)."""
     import torch.multiprocessing as mp
 
     expected = generate(target_dir, drafter_dir, prompts, {"max_new_tokens": 24})
     mp.spawn(run, args=(2, port, target_dir, drafter_dir, prompts, {"greedy": {"max_new_tokens": 24}}, out_dir,
-                        False, "cpu", costs_by_rank, None, latent_split), nprocs=2)
-    got = [torch.load(Path(out_dir) / f"rank{rank}.pt")["greedy"] for rank in range(2)]
+                        False, "cpu", costs_by_rank, None, latent_split, "torch", stages), nprocs=2)
+    got = [[{k: v for k, v in r.items() if k != "held"} for r in torch.load(Path(out_dir) / f"rank{rank}.pt")["greedy"]]
+           for rank in range(2)]  # what each rank's stage holds aside
     assert got[0] == got[1], "the ranks verified different drafts"
     assert any(n for r in got[0] for n in r["per_round"]), "rank 1's plan (verify none) was followed"
     assert [r["tokens"] for r in got[0]] == [r["tokens"] for r in expected]

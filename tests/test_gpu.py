@@ -327,3 +327,19 @@ def test_tp2_nccl_matches_tp1(pair, tmp_path):
     runs = {"greedy": dict(max_new_tokens=24), "sampled": dict(max_new_tokens=24, temperature=1.0, top_p=0.95)}
     engine_tp_worker.assert_tp2_equals_tp1(str(pair[0]), str(pair[1]), prompts(6), runs, str(tmp_path), port,
                                            graphs=True, device="cuda")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_pp2_nccl_matches_tp1(pair, tmp_path):
+    """The Qwen3 pair as two pipeline stages of one GPU each over NCCL, rounds captured as CUDA
+    graphs (the hand-off, the drafts and the results sent inside them) == one GPU eager."""
+    import socket
+
+    from tests import engine_tp_worker
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    runs = {"greedy": dict(max_new_tokens=24), "sampled": dict(max_new_tokens=24, temperature=1.0, top_p=0.95)}
+    engine_tp_worker.assert_tp2_equals_tp1(str(pair[0]), str(pair[1]), prompts(6), runs, str(tmp_path), port,
+                                           graphs=True, device="cuda", stages=2)

@@ -1,7 +1,7 @@
 """jobs/k8s/indexed-job.yaml, read as Kubernetes would read its fields (no cluster here): an
 Indexed Job whose every index resolves to its own shard of DFLASH_SHARDS = completions, GPUs a
-pod = the job file's ranks (tensor_parallel_size x pipeline_parallel_size), every path the job reads or writes on a mounted
-volume, evictions not counted as failures, and the exit codes that no rerun can mend failing
+pod = the job file's ranks (tensor_parallel_size x pipeline_parallel_size), every path the job
+reads or writes on a mounted volume, evictions not counted as failures, and the exit codes that no rerun can mend failing
 their index at once."""
 
 from __future__ import annotations

@@ -86,7 +86,8 @@ def torchrun_node(node: int, port: int, job_file: Path, per_node: int = 2, **pop
     """One node's launch: torchrun starting `per_node` ranks of the two nodes', meeting the other
     node's at the address and port every node is given."""
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
-                             str(node), "--nproc-per-node", str(per_node), "--master-addr", "127.0.0.1", "--master-port",
+                             str(node), "--nproc-per-node", str(per_node), "--master-addr", "127.0.0.1",
+                             "--master-port",
                              str(port), "-m", "dflash_batch.cli", "run", str(job_file), "--no-progress"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
 

@@ -56,6 +56,18 @@ def test_two_stages_decode_what_one_process_does(tmp_path, speculation):
                                            speculation=speculation)
 
 
+@pytest.mark.no_rerun
+def test_two_stages_on_auto_follow_rank_0s_plan(tmp_path):
+    """speculation: auto over two stages whose round costs disagree (rank 0's flat, rank 1's
+    rising with every draft): both verify what rank 0 plans and decode what one process does."""
+    target, drafter = make_target(tmp_path / "target", num_hidden_layers=3), tmp_path / "drafter"
+    make_drafter(drafter, 2, block_size=8)
+    prompts = random_prompts([1, 37, 120], seed=6)
+    costs = [[1.0] * 8, [1.0] + [100.0] * 7]
+    engine_tp_worker.assert_auto_ranks_agree(str(target), str(drafter), prompts, str(tmp_path), free_port(), costs,
+                                             stages=2)
+
+
 @pytest.mark.numerics
 @pytest.mark.no_rerun
 @pytest.mark.parametrize("stream", ["prefix", "attn_res"])
