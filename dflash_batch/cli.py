@@ -445,7 +445,12 @@ def plan_command(job_file: str, gpu_memory: str | None, gpus_per_node: int | Non
         click.echo(f"TP{plan.tp}: {nodes} NVLink domain(s) of {per_domain} GPUs a tensor-parallel group")
         least = smallest_tp(job, job_dir, gpu, reserve)
         click.echo(f"smallest tensor_parallel_size that fits one sequence a bucket: {least or 'none up to 64'}")
-        if hw is not None and plan.fits:
+        stages = job.model.pipeline_parallel_size
+        if hw is not None and plan.fits and stages > 1:  # the tables size a TP group, stages beside it
+            click.echo(f"roofline: the layouts of these {tp * stages} GPUs side by side, pipeline stages among them, "
+                       f"are in the plan of this job with tensor_parallel_size {tp * stages} and "
+                       "pipeline_parallel_size 1 (its 'layouts at k' lines)")
+        elif hw is not None and plan.fits:
             from dflash_batch.throughput import roofline as roofline_tables
 
             click.echo(roofline_tables(plan, job, job_dir, hw, alpha, per_domain))

@@ -236,7 +236,9 @@ def test_the_plan_prints_each_buckets_floors_and_best_draft_count():
         assert all(r.split()[6] in ("memory", "compute", "network") for r in rows)
         best = max(rows, key=lambda r: float(r.split()[7].replace(",", "")))
         assert f"best k = {best.split()[0]}: {best.split()[7]} tokens/s per GPU" in section
-        assert "2 stages x TP8" in section.split("bucket")[0]
+        layouts = section.split("bucket")[0]
+        assert "2 stages x TP8, as run (stages take turns)" in layouts
+        assert "2 stages x TP8, 2 micro-batches (not run yet)" in layouts
 
 
 # -- a finished run's acceptance, and what the plan refuses ------------------------------------------
@@ -331,3 +333,18 @@ def test_a_job_without_a_drafter_gets_its_target_only_round(tiny_job, tmp_path):
     section = result.output.split("bucket 0-256, 4 seqs (the job's)")[1].splitlines()
     assert section[2].split()[:2] == ["0", "1.00"] and section[3].startswith("    best k = 0:"), result.output
     assert "alpha = )" in result.output
+
+
+def test_a_job_of_pipeline_stages_is_planned_stage_by_stage(tiny_job, tmp_path):
+    """Its memory plan sizes each stage (a line a stage, the fullest in the table); its roofline
+    points to the tensor-parallel plan of the same GPUs, whose layouts lines hold the stages."""
+    import yaml
+
+    doc = yaml.safe_load(tiny_job.read_text())
+    doc["model"]["pipeline_parallel_size"] = 2
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(doc))
+    result = CliRunner().invoke(main, ["plan", str(tmp_path / "job.yaml")])
+    assert result.exit_code == 0, result.output
+    assert "stage 0 of 2: target layers 0-" in result.output and "stage 1 of 2: target layers " in result.output
+    assert ", stage 1 of 2 (the fullest)" in result.output or ", stage 0 of 2 (the fullest)" in result.output
+    assert "in the plan of this job with tensor_parallel_size 2 and pipeline_parallel_size 1" in result.output
