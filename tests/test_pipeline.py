@@ -44,15 +44,17 @@ RUNS = {
 
 @pytest.mark.numerics
 @pytest.mark.no_rerun
-@pytest.mark.parametrize("speculation", [True, False], ids=["speculative", "target-only"])
-def test_two_stages_decode_what_one_process_does(tmp_path, speculation):
+@pytest.mark.parametrize("speculation, graphs", [(True, False), (False, False), (True, True)],
+                         ids=["speculative", "target-only", "speculative, graphs"])
+def test_two_stages_decode_what_one_process_does(tmp_path, speculation, graphs):
     # Qwen3 of 3 layers over 2 stages (uneven: the first holds 2, the last the head), the drafter
-    # tapping layers 1 (handed on) and 2 (the last, normed).
+    # tapping layers 1 (handed on) and 2 (the last, normed). `graphs`: the rounds go through the
+    # engine's graph path (captures and replays emulated on the CPU: tests/emulated_graphs.py).
     target, drafter = make_target(tmp_path / "target", num_hidden_layers=3), tmp_path / "drafter"
     make_drafter(drafter, 2, block_size=8)
     prompts = random_prompts([1, 37, 120], seed=6)
     engine_tp_worker.assert_tp2_equals_tp1(str(target), str(drafter), prompts, RUNS, str(tmp_path), free_port(),
-                                           ranks=2, stages=2, held=[range(0, 2), range(2, 3)],
+                                           graphs, ranks=2, stages=2, held=[range(0, 2), range(2, 3)],
                                            speculation=speculation)
 
 
