@@ -162,6 +162,12 @@ def resolve_engine(job: Job, cuda: bool | None = None, flashinfer: bool | None =
     if target_ckpt.layers is not None and pp > target_ckpt.layers:
         raise JobError(f"model.pipeline_parallel_size {pp}: the target has {target_ckpt.layers} layers and each "
                        "stage needs one")
+    if e.micro_batches > 1 and pp == 1:
+        raise JobError(f"engine.micro_batches {e.micro_batches}: there are no pipeline stages to keep busy "
+                       "(model.pipeline_parallel_size is 1)")
+    if e.micro_batches > 1 and backend == "flashinfer":
+        raise JobError(f"engine.micro_batches {e.micro_batches}: flashinfer plans a round's attention whole; set "
+                       "engine.backend: torch")
     why_no_compile = (
         "compilation is the CPU path (on a GPU the round runs under CUDA graphs)" if device != "cpu" else
         host_reads or ("tensor_parallel_size > 1 is not compiled yet" if tp > 1 else None)
@@ -243,12 +249,13 @@ def _split(setup: EngineSetup) -> LatentSplit | None:
 
 
 def _stage_line(target, job: Job) -> str:
-    """What this rank's stage holds: "rank R of N (stage S of P) on HOST: TP T, target layers a-b[,
-    the LM head and the drafter]"."""
-    held, last = target.held, parallel.last_stage()
+    """What this rank's stage holds: "rank R of N (stage S of P) on HOST: TP T, target layers a-b of
+    L[, the LM head and the drafter][; verifies in M micro-batches]"."""
+    held, last, micro = target.held, parallel.last_stage(), job.engine.micro_batches
     tail = (", the LM head" + (" and the drafter" if job.model.drafter else "")) if last else ""
+    groups = f"; verifies in {micro} micro-batches" if micro > 1 else ""
     return (f"{parallel.describe_rank()}: TP{parallel.world_size()}, target layers {held.start}-{held.stop - 1} "
-            f"of {target.num_layers}{tail}")
+            f"of {target.num_layers}{tail}{groups}")
 
 
 def build_engine(job: Job, tokenizer: Tokenizer, setup: EngineSetup | None = None) -> Engine:
@@ -281,5 +288,5 @@ def build_engine(job: Job, tokenizer: Tokenizer, setup: EngineSetup | None = Non
                   compile=setup.compile, compile_if_it_pays=setup.compile_if_it_pays,
                   share_prompts=job.engine.share_prompts,
                   shared_head_tokens=job.engine.shared_head_tokens, log=say,
-                  auto_speculation=(auto.min_acc_len, auto.rounds))
+                  auto_speculation=(auto.min_acc_len, auto.rounds), micro_batches=job.engine.micro_batches)
 

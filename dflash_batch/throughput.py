@@ -8,9 +8,9 @@ best draft count of the one run: the job's tensor-parallel group with the MLA la
 split (where they split), and pipeline stages across NVLink domains with tensor parallelism
 inside each: each stage's part of the round counted on its own layers (models/stages.py), its
 NIC carrying what it hands on (the rows' hidden states, Kimi-K3's attention-residual blocks and
-the drafter's taps so far) and the last stage's results back; as the project runs stages (one
-micro-batch, the stages taking turns) and with as many micro-batches as stages (not run yet),
-the sequences assumed to fit as they do in the group.
+the drafter's taps so far) and the last stage's results back; with one micro-batch (the stages
+taking turns) and with as many micro-batches as stages (engine.micro_batches), the sequences
+assumed to fit as they do in the group.
 """
 
 from __future__ import annotations
@@ -87,9 +87,11 @@ class Roofline:
 
     def staged(self, i: int, seqs: int, k: int) -> list[tuple[str, RoundAt]]:
         """Bucket i's round with pipeline stages across NVLink domains, TP inside each ([]: one
-        domain holds the group, or its ranks do not split evenly into them): as the project runs
-        it (one micro-batch: the stages take turns, a round the sum of their floors), and with as
-        many micro-batches as stages (not run yet: a round is the busiest stage's micro-batches)."""
+        domain holds the group, or its ranks do not split evenly into them): with one micro-batch
+        (the stages take turns: a round is the sum of their floors) and with as many micro-batches
+        as stages (engine.micro_batches: the pipe fills and drains every round, since the last stage
+        decides once every group is through, so a round is 2 x stages - 1 of the busiest stage's
+        micro-batch turns; the drafter counted in the last stage's share of each)."""
         tp, g = self.plan.tp, self.per_domain
         if tp <= g or tp % g:
             return []
@@ -103,10 +105,11 @@ class Roofline:
         run = Floors(*(sum(getattr(f, name) for f in turns) for name in ("memory", "compute", "nvlink", "nic")))
         micro = -(-seqs // stages)
         busiest = max((self._stage_floors(s, i, micro, k) for s in sizers), key=lambda f: f.seconds)
-        piped = Floors(*(stages * getattr(busiest, name) for name in ("memory", "compute", "nvlink", "nic")))
-        return [(f"{stages} stages x TP{g}, as run (stages take turns)",
+        ticks = 2 * stages - 1
+        piped = Floors(*(ticks * getattr(busiest, name) for name in ("memory", "compute", "nvlink", "nic")))
+        return [(f"{stages} stages x TP{g}, one micro-batch (they take turns)",
                  RoundAt(seqs, k, tokens, run, tokens_per_gpu(seqs, tokens, run, tp))),
-                (f"{stages} stages x TP{g}, {stages} micro-batches (not run yet)",
+                (f"{stages} stages x TP{g}, {stages} micro-batches",
                  RoundAt(seqs, k, tokens, piped, tokens_per_gpu(seqs, tokens, piped, tp)))]
 
     def _stage_floors(self, sizer: Sizer, i: int, seqs: int, k: int) -> Floors:

@@ -32,13 +32,15 @@ from tests.emulated_graphs import EmulatedGraphs
 
 def generate(target_dir: str, drafter_dir: str, prompts: list[list[int]], sampling: dict,
              graphs: bool = False, device: str = "cpu", speculation: bool | str = True,
-             latent_split: bool = False, backend: str = "torch", share_prompts: bool = True) -> list[dict]:
+             latent_split: bool = False, backend: str = "torch", share_prompts: bool = True,
+             micro_batches: int = 1) -> list[dict]:
     """Speculative decoding of every prompt (seed 1000 + index): tokens, accepted drafts per round and
     logprobs. `latent_split`: the ranks split the MLA latent caches by token (backends/latent_split.py).
     `backend` flashinfer: on the CPU, its MLA wrapper emulated (tests/fake_flashinfer.py).
     The target taps the drafter's layers on the drafter's aux_hidden_stream, as build_engine does.
     `graphs`: rounds go through the engine's graph path, captured and replayed as CUDA graphs on a
-    GPU, emulated on the CPU. `share_prompts`: the engine's (shared heads, forked samples)."""
+    GPU, emulated on the CPU. `share_prompts`: the engine's (shared heads, forked samples);
+    `micro_batches`: the engine's (groups a verify goes through pipeline stages in)."""
     # float64: the ranks sum partial products in another order than one process; in float32
     # that could round a near-tie apart.
     target, drafter = load_model(target_dir, torch.float64, device), load_model(drafter_dir, torch.float64, device)
@@ -57,7 +59,7 @@ def generate(target_dir: str, drafter_dir: str, prompts: list[list[int]], sampli
     else:
         attention = TorchAttention(split) if split else TORCH
     engine = Engine(target, drafter, dtype=torch.float64, device=device, attention=attention,
-                    share_prompts=share_prompts, **graph_args)
+                    share_prompts=share_prompts, micro_batches=micro_batches, **graph_args)
     done = {c.key: c for c in engine.generate(reqs, bucket)}
     # flashinfer: whether rounds ran on wrappers planned as a captured graph's (fixed rows)
     captured = backend == "flashinfer" and any(key[1] is not None for key in attention.wrappers)
@@ -75,7 +77,8 @@ def logprob_values(logprobs) -> list[list[float]]:
 def run(rank: int, world_size: int, port: int, target_dir: str, drafter_dir: str,
         prompts: list[list[int]], runs: dict[str, dict], out_dir: str, graphs: bool = False,
         device: str = "cpu", costs_by_rank: list[list[float]] | None = None, group_rows: int | None = None,
-        latent_split: bool = False, backend: str = "torch", stages: int = 1, speculation: bool = True) -> None:
+        latent_split: bool = False, backend: str = "torch", stages: int = 1, speculation: bool = True,
+        micro_batches: int = 1) -> None:
     """`stages`: the ranks split into that many pipeline stages (parallel.form_stages).
     `costs_by_rank`: an auto bucket (speculation: auto) whose round costs each rank reads from
     here (seconds by verify width) instead of timing them; `group_rows`: verify rows each rank
@@ -96,19 +99,39 @@ def run(rank: int, world_size: int, port: int, target_dir: str, drafter_dir: str
         if costs_by_rank is not None:
             Engine._time_round = lambda self, *args: costs_by_rank[rank][args[-1] - 1]
         speculation = speculation if costs_by_rank is None else "auto"
+        groups = record_verify_groups()
         results = {name: generate(target_dir, drafter_dir, prompts, s, graphs, device, speculation, latent_split,
-                                  backend) for name, s in runs.items()}
+                                  backend, micro_batches=micro_batches) for name, s in runs.items()}
+        results["verify groups"] = sorted(set(groups))
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         parallel.leave_stages()
         dist.destroy_process_group()
 
 
+def record_verify_groups() -> list[int]:
+    """The groups (micro-batches) each verify this process runs goes through the stages in, as
+    models/stages.py splits them: appended to the list returned."""
+    from dflash_batch.models import stages
+
+    groups, split = [], stages.micro_batches
+
+    def recorded(meta):
+        parts = split(meta)
+        if meta.name == "verify":
+            groups.append(len(parts))
+        return parts
+
+    stages.micro_batches = recorded
+    return groups
+
+
 def assert_tp2_equals_tp1(target_dir: str, drafter_dir: str, prompts: list[list[int]], runs: dict[str, dict],
                           out_dir: str, port: int, graphs: bool = False, device: str = "cpu",
                           group_rows: int | None = None, ranks: int = 2, latent_split: bool = False,
                           backend: str = "torch", logprob_atol: float = 1e-9, cached: list[int] | None = None,
-                          stages: int = 1, held: list[range] | None = None, speculation: bool = True) -> None:
+                          stages: int = 1, held: list[range] | None = None, speculation: bool = True,
+                          micro_batches: int = 1) -> None:
     """Decode in this process on the torch backend, each prompt prefilled by itself (no shared
     heads), then on `ranks` ranks (gloo on the CPU, NCCL on GPUs; `graphs`: through the graph
     path; `group_rows`: the ranks gather and sample that many verify rows at a time;
@@ -117,7 +140,8 @@ def assert_tp2_equals_tp1(target_dir: str, drafter_dir: str, prompts: list[list[
     sampling setting in `runs`, and logprobs within `logprob_atol`; `cached`: the prompt tokens
     each prompt took from a shared head on the ranks; `stages`: the ranks form that many pipeline
     stages, each a tensor-parallel group of ranks / stages, stage s holding the layers `held[s]`;
-    `speculation` False: target-only rounds, in both."""
+    `speculation` False: target-only rounds, in both; `micro_batches`: the ranks' verifies go
+    through the stages in that many groups of sequences."""
     import torch.multiprocessing as mp
 
     args = (target_dir, drafter_dir, prompts, runs)
@@ -127,7 +151,7 @@ def assert_tp2_equals_tp1(target_dir: str, drafter_dir: str, prompts: list[list[
     vocab = json.loads((Path(drafter_dir) / "config.json").read_text())["vocab_size"]  # the pair's
     assert_every_slice_decoded([t for r in expected["greedy"] for t in r["tokens"]], vocab, ranks // stages)
     mp.spawn(run, args=(ranks, port, *args, out_dir, graphs, device, None, group_rows, latent_split, backend,
-                        stages, speculation), nprocs=ranks)
+                        stages, speculation, micro_batches), nprocs=ranks)
     for rank in range(ranks):
         got = torch.load(Path(out_dir) / f"rank{rank}.pt", map_location="cpu")
         for name in runs:
@@ -140,6 +164,8 @@ def assert_tp2_equals_tp1(target_dir: str, drafter_dir: str, prompts: list[list[
                     torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=logprob_atol)
             assert cached is None or [g["cached"] for g in got[name]] == cached, f"rank {rank}, {name}"
             assert held is None or range(*got[name][0]["held"]) == held[rank // (ranks // stages)], f"rank {rank}"
+        # as many groups as asked where a verify has that many sequences (a graph of one has one)
+        assert max(got["verify groups"]) == (micro_batches if stages > 1 else 1), (rank, got["verify groups"])
 
 
 def assert_auto_ranks_agree(target_dir: str, drafter_dir: str, prompts: list[list[int]], out_dir: str,

@@ -159,7 +159,7 @@ def test_the_latent_split_runs_on_both_backends(checkpoints):
     assert (gpu.backend, gpu.context_parallel) == ("flashinfer", True)
 
 
-def test_pipeline_stages_need_a_layer_each_and_run_uncompiled(checkpoints):
+def test_pipeline_stages_need_a_layer_each_run_uncompiled_and_micro_batch_on_torch(checkpoints):
     (checkpoints / "two_layers").mkdir()
     (checkpoints / "two_layers" / "config.json").write_text(json.dumps(
         {"architectures": ["Qwen3ForCausalLM"], "head_dim": 128, "num_hidden_layers": 2}))
@@ -168,3 +168,9 @@ def test_pipeline_stages_need_a_layer_each_and_run_uncompiled(checkpoints):
         resolve_engine(job(checkpoints, "two_layers", pp=3), **CPU)
     with pytest.raises(JobError, match="pipeline_parallel_size > 1 is not compiled yet"):
         resolve_engine(job(checkpoints, pp=2, compile=True), **CPU)
+    assert resolve_engine(job(checkpoints, pp=2, micro_batches=2), **CPU).backend == "torch"
+    with pytest.raises(JobError, match="micro_batches 2: there are no pipeline stages to keep busy"):
+        resolve_engine(job(checkpoints, micro_batches=2), **CPU)
+    with pytest.raises(JobError, match="micro_batches 2: flashinfer plans a round's attention whole"):
+        resolve_engine(job(checkpoints, pp=2, micro_batches=2), **GPU)
+    assert resolve_engine(job(checkpoints, pp=2, micro_batches=2, backend="torch"), **GPU).backend == "torch"

@@ -45,10 +45,12 @@ def make_cli_kimi_pair(directory: Path) -> tuple[Path, Path]:
 
 
 def kimi_job(tmp_path: Path, pair: tuple[Path, Path], out: str, rows: int = 8, tp: int = 1,
-             max_new_tokens: int = 24, rows_per_part: int = 2, context_parallel: bool = False, pp: int = 1) -> Path:
+             max_new_tokens: int = 24, rows_per_part: int = 2, context_parallel: bool = False, pp: int = 1,
+             micro_batches: int = 1) -> Path:
     """Token-id prompts, every other row sampled (temperature 1, top-p 0.95, 2 samples) and the
     rest greedy, with logprobs: one run covers both decoding modes. `context_parallel`: the ranks
-    split the MLA latents by token; `pp`: pipeline stages of `tp` ranks each."""
+    split the MLA latents by token; `pp`: pipeline stages of `tp` ranks each, verifying in
+    `micro_batches` groups."""
     target, drafter = pair
     data = [{"id": f"r{i}", "ids": [(7 * i + 3 * j) % 250 + 3 for j in range(5 + 9 * (i % 4))],
              "temperature": 1.0 if i % 2 else 0.0} for i in range(rows)]
@@ -59,7 +61,7 @@ def kimi_job(tmp_path: Path, pair: tuple[Path, Path], out: str, rows: int = 8, t
                           "sampling_columns": {"temperature": "temperature"}},
                    sampling={"max_new_tokens": max_new_tokens, "top_p": 0.95, "n": 2, "seed": 3, "logprobs": 2},
                    output={"dir": out, "rows_per_part": rows_per_part})
-    doc["engine"].update(max_num_seqs=3, compile=False, context_parallel=context_parallel)
+    doc["engine"].update(max_num_seqs=3, compile=False, context_parallel=context_parallel, micro_batches=micro_batches)
     write_job(tmp_path, doc, f"{out}.yaml")
     return tmp_path / f"{out}.yaml"
 
@@ -185,11 +187,11 @@ def test_a_rank_killed_on_one_node_stops_both_and_the_survivors_name_themselves(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", [1, 2], ids=["PP2", "PP2 x TP2"])
-def test_two_stages_on_two_nodes_equal_tp1(pair, tp1, tmp_path, tp):
+@pytest.mark.parametrize("tp, micro", [(1, 2), (2, 1)], ids=["PP2, 2 micro-batches", "PP2 x TP2"])
+def test_two_stages_on_two_nodes_equal_tp1(pair, tp1, tmp_path, tp, micro):
     """A stage a node (torchrun's node 0 holds stage 0): the rows one process writes, the layout
     printed by each stage, rank 0 alone reporting."""
-    job = kimi_job(tmp_path, pair, "out", tp=tp, pp=2)
+    job = kimi_job(tmp_path, pair, "out", tp=tp, pp=2, micro_batches=micro)
     port = free_port()
     nodes = [torchrun_node(n, port, job, per_node=tp) for n in (0, 1)]
     logs = [p.communicate(timeout=900)[0] for p in nodes]
@@ -198,8 +200,9 @@ def test_two_stages_on_two_nodes_equal_tp1(pair, tp1, tmp_path, tp):
     assert_rows_equal_tp1(rows, stable_rows(tp1))
     assert {r["status"] for r in rows} == {"ok"} and len(rows) == 16 and all(r["spec_histogram"] for r in rows)
     assert f"(stage 0 of 2) on {socket.gethostname()}: TP{tp}, target layers 0-3 of 8" in logs[0], logs[0][-3000:]
+    groups = "; verifies in 2 micro-batches" if micro > 1 else ""
     assert f"(stage 1 of 2) on {socket.gethostname()}: TP{tp}, target layers 4-7 of 8, the LM head and the " \
-           "drafter" in logs[1], logs[1][-3000:]
+           f"drafter{groups}\n" in logs[1], logs[1][-3000:]
     assert "rows committed this run" in logs[0] and "rows committed this run" not in logs[1]
 
 

@@ -44,18 +44,22 @@ RUNS = {
 
 @pytest.mark.numerics
 @pytest.mark.no_rerun
-@pytest.mark.parametrize("speculation, graphs", [(True, False), (False, False), (True, True)],
-                         ids=["speculative", "target-only", "speculative, graphs"])
-def test_two_stages_decode_what_one_process_does(tmp_path, speculation, graphs):
+@pytest.mark.parametrize("speculation, graphs, micro", [(True, False, 1), (False, False, 1), (True, True, 1),
+                                                        (True, False, 2), (False, False, 3), (True, True, 2)],
+                         ids=["speculative", "target-only", "speculative, graphs", "2 micro-batches",
+                              "target-only, 3 micro-batches", "graphs, 2 micro-batches"])
+def test_two_stages_decode_what_one_process_does(tmp_path, speculation, graphs, micro):
     # Qwen3 of 3 layers over 2 stages (uneven: the first holds 2, the last the head), the drafter
     # tapping layers 1 (handed on) and 2 (the last, normed). `graphs`: the rounds go through the
-    # engine's graph path (captures and replays emulated on the CPU: tests/emulated_graphs.py).
+    # engine's graph path (captures and replays emulated on the CPU: tests/emulated_graphs.py);
+    # `micro`: a verify's sequences go through the stages in that many groups (3 prompts: groups
+    # of 1 and 2, or one each).
     target, drafter = make_target(tmp_path / "target", num_hidden_layers=3), tmp_path / "drafter"
     make_drafter(drafter, 2, block_size=8)
     prompts = random_prompts([1, 37, 120], seed=6)
     engine_tp_worker.assert_tp2_equals_tp1(str(target), str(drafter), prompts, RUNS, str(tmp_path), free_port(),
                                            graphs, ranks=2, stages=2, held=[range(0, 2), range(2, 3)],
-                                           speculation=speculation)
+                                           speculation=speculation, micro_batches=micro)
 
 
 @pytest.mark.no_rerun
@@ -72,15 +76,16 @@ def test_two_stages_on_auto_follow_rank_0s_plan(tmp_path):
 
 @pytest.mark.numerics
 @pytest.mark.no_rerun
-@pytest.mark.parametrize("stream", ["prefix", "attn_res"])
-def test_kimi_k3_over_two_stages_decodes_what_one_process_does(tmp_path, stream):
+@pytest.mark.parametrize("stream, micro", [("prefix", 1), ("attn_res", 1), ("attn_res", 2)])
+def test_kimi_k3_over_two_stages_decodes_what_one_process_does(tmp_path, stream, micro):
     # 8 layers (KDA but 3 and 7, attention-residual blocks of 3) split 0-3 | 4-7: the boundary
     # carries the prefix, two blocks and tap 1; on the attn_res stream tap 3 is the mix entering
-    # layer 4, taken on the second stage from what the first handed on.
+    # layer 4, taken on the second stage from what the first handed on. `micro` 2: the verify's
+    # sequences in two groups, each staging its KDA rows where it sits in the round.
     target, drafter = make_kimi_pair(tmp_path / "pair", stream=stream, moe_intermediate_size=64)
     prompts = random_prompts([1, 37, 20], vocab=VOCAB, seed=6)
     engine_tp_worker.assert_tp2_equals_tp1(str(target), str(drafter), prompts, RUNS, str(tmp_path), free_port(),
-                                           ranks=2, stages=2, held=[range(0, 4), range(4, 8)])
+                                           ranks=2, stages=2, held=[range(0, 4), range(4, 8)], micro_batches=micro)
 
 
 @pytest.mark.numerics
@@ -88,14 +93,15 @@ def test_kimi_k3_over_two_stages_decodes_what_one_process_does(tmp_path, stream)
 @pytest.mark.slow
 def test_two_stages_of_two_ranks_split_the_latents_and_share_a_head(tmp_path):
     # PP2 x TP2: each stage's two ranks hold half of every layer's heads and keep every other
-    # position's MLA latents; three prompts share a 70-token head (prefilled once, on both stages).
+    # position's MLA latents; three prompts share a 70-token head (prefilled once, on both stages);
+    # verifies in two micro-batches.
     target, drafter = make_kimi_pair(tmp_path / "pair", stream="attn_res", moe_intermediate_size=64, slices=2)
     head = random_prompts([70], vocab=VOCAB, seed=7)[0]
     prompts = [head + t for t in random_prompts([5, 1, 3], vocab=VOCAB, seed=8)]
     runs = {"greedy": RUNS["greedy"], "logprobs": RUNS["logprobs"]}
     engine_tp_worker.assert_tp2_equals_tp1(str(target), str(drafter), prompts, runs, str(tmp_path), free_port(),
                                            ranks=4, stages=2, latent_split=True, cached=[0, 70, 70],
-                                           held=[range(0, 4), range(4, 8)], logprob_atol=1e-9)
+                                           held=[range(0, 4), range(4, 8)], logprob_atol=1e-9, micro_batches=2)
 
 
 def test_balanced_spans_are_the_best_contiguous_split():

@@ -237,8 +237,8 @@ def test_the_plan_prints_each_buckets_floors_and_best_draft_count():
         best = max(rows, key=lambda r: float(r.split()[7].replace(",", "")))
         assert f"best k = {best.split()[0]}: {best.split()[7]} tokens/s per GPU" in section
         layouts = section.split("bucket")[0]
-        assert "2 stages x TP8, as run (stages take turns)" in layouts
-        assert "2 stages x TP8, 2 micro-batches (not run yet)" in layouts
+        assert "2 stages x TP8, one micro-batch (they take turns)" in layouts
+        assert "2 stages x TP8, 2 micro-batches" in layouts
 
 
 # -- a finished run's acceptance, and what the plan refuses ------------------------------------------

@@ -93,6 +93,8 @@ class AttnMeta:
     rows: torch.Tensor | None = None  # [bs] batch row of each sequence (whose ring pages it uses)
     ring: Ring | None = None    # the geometry of ring caches, for layers that keep one
     name: str = "forward"       # which planned forward this is (backends plan per name)
+    micro_batches: int = 1      # groups of sequences a dense forward goes through pipeline stages in
+    first_seq: int = 0          # the round's sequence this forward's first one is (a micro-batch's)
     derived: dict = field(default_factory=dict, repr=False)  # per-forward values layers share
 
     def shared(self, key: Any, make: Callable[[], Any]) -> Any:
@@ -125,6 +127,21 @@ class AttnMeta:
         return dataclasses.replace(self, slots=torch.where((self.slots >= 0) & live, ring_slots, -1),
                                    block_tables=tables, rows_own_slots=False, ring=None, derived={},
                                    name=f"{self.name}.ring")
+
+    def sequences(self, a: int, b: int) -> AttnMeta:
+        """Sequences a..b-1 of a dense forward (each q_max rows, in order) as a forward of their own:
+        a micro-batch (models/stages.py). Its rows count from 0; `first_seq` keeps where it sits in
+        the round (KDA stages its rows there). The logits rows stay the whole forward's."""
+        if not self.dense:
+            raise ValueError(f"forward {self.name!r} is not dense: its sequences' rows are not in blocks")
+        width = self.q_index.shape[1]
+        rows = slice(a * width, b * width)
+        return dataclasses.replace(
+            self, positions=self.positions[rows], slots=self.slots[rows], q_index=self.q_index[a:b] - a * width,
+            q_positions=self.q_positions[a:b], kv_lens=self.kv_lens[a:b], block_tables=self.block_tables[a:b],
+            state_ids=None if self.state_ids is None else self.state_ids[a:b],
+            rows=None if self.rows is None else self.rows[a:b], rows_own_slots=False, micro_batches=1,
+            first_seq=self.first_seq + a, derived={})
 
     @property
     def num_rows(self) -> int:

@@ -91,12 +91,15 @@ class Engine:
                  device: torch.device | str = "cpu", attention: AttentionBackend = TORCH,
                  capture_sizes: list[int] | None = None, cuda_graphs: bool = False, compile: bool = False,
                  compile_if_it_pays: bool = False, share_prompts: bool = True, shared_head_tokens: int = 8192,
-                 log: Callable[[str], None] | None = None, auto_speculation: tuple[float, int] = (1.5, 1024)):
+                 log: Callable[[str], None] | None = None, auto_speculation: tuple[float, int] = (1.5, 1024),
+                 micro_batches: int = 1):
         """`compile_if_it_pays`: with `compile`, a bucket whose requests fit few rounds runs them
         uncompiled (compile_policy.py); `share_prompts`: samples fork a prompt's prefill, and rows
         share heads of up to `shared_head_tokens` (engine/heads.py); `auto_speculation`:
-        (min_acc_len, rounds) of buckets with speculation "auto" (schedule.py)."""
+        (min_acc_len, rounds) of buckets with speculation "auto" (schedule.py); `micro_batches`:
+        groups of sequences a round's verify goes through pipeline stages in (models/stages.py)."""
         self.target, self.drafter = target, drafter
+        self.micro_batches = micro_batches
         self.vocab_size: int = target.vocab_size
         # Hybrid targets (KDA) keep per-sequence recurrent state that verify stages and commit picks.
         self.recurrent = hasattr(target, "allocate_state")
@@ -318,7 +321,7 @@ class Engine:
                  f"KV caches {cache_bytes / 2**20:.1f} MiB{rings}")
         if block not in self.rounds:
             self.rounds[block] = Round(self.target, self.drafter, block, self.page_size, self.ops, self.attention,
-                                       self.compile)
+                                       self.compile, self.micro_batches)
         step = self.rounds[block]
         graphs = None
         if self.cuda_graphs:
@@ -394,7 +397,8 @@ class Engine:
             one = DecodeBatch(batch.rows, 1, pages_per_row, self.page_size, bucket.max_num_seqs, self.device,
                               self.vocab_size, batch, head_pages=batch.head_pages, static=self.cuda_graphs)
             if 1 not in self.rounds:
-                self.rounds[1] = Round(self.target, None, 1, self.page_size, self.ops, self.attention, self.compile)
+                self.rounds[1] = Round(self.target, None, 1, self.page_size, self.ops, self.attention, self.compile,
+                                       self.micro_batches)
             if not self.rounds[1].compiled:  # as the bucket's rounds ran
                 self.rounds[1].eager = self.bucket_state[3].eager
             # Captured while every row of the new batch is padding (warm-up rounds run for real).

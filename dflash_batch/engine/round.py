@@ -59,9 +59,10 @@ class Round:
     not pay: engine/compile_policy.py)."""
 
     def __init__(self, target, drafter, block: int, page_size: int, ops: SimpleNamespace,
-                 attention: AttentionBackend, compile: bool = False):
+                 attention: AttentionBackend, compile: bool = False, micro_batches: int = 1):
         self.target, self.drafter, self.block = target, drafter if block > 1 else None, block
         self.page_size, self.ops, self.attention = page_size, ops, attention
+        self.micro_batches = micro_batches  # the verify's groups of sequences under pipeline stages
         self.recurrent = hasattr(target, "commit")
         self.mask_id = self.drafter.mask_token_id if self.drafter is not None else 0
         # Made on the first compiled call: a process that runs every bucket eagerly never imports
@@ -107,7 +108,7 @@ class Round:
             parallel.from_last_stage(ids)  # the first stage embeds the drafts; every stage's host reads them
         if W == B:
             return positions, meta("verify", verify_kv, logits_rows=b.q_index[:n].reshape(-1),
-                                   state_ids=b.state_slot[:n], stage=self.recurrent)
+                                   state_ids=b.state_slot[:n], stage=self.recurrent, micro_batches=self.micro_batches)
         ids[:, W:] = -1  # drafts past the width: no verify row checks them, so none is accepted
         positions = positions.view(n, B)[:, :W].reshape(-1)
         q_index = torch.arange(n * W, device=ids.device).view(n, W)
@@ -116,7 +117,7 @@ class Round:
                           page_size=self.page_size, max_kv=max_kv, dense=True, rows_own_slots=b.rows_own_slots,
                           name="verify",
                           backend=self.attention, rows=b.row_ids[:n], ring=b.ring, logits_rows=q_index.reshape(-1),
-                          state_ids=b.state_slot[:n], stage=self.recurrent)
+                          state_ids=b.state_slot[:n], stage=self.recurrent, micro_batches=self.micro_batches)
         return positions, verify
 
     def verify(self, batch: DecodeBatch, n: int, greedy: bool, drafted: tuple, constrained: bool = False) -> None:

@@ -229,8 +229,8 @@ class KDA(nn.Module):
             q, k, v, _ = self._qkv(raw, self.conv_state[ids])
             out, _ = recurrent(q, k, v, g, beta, self.state[ids])
             out = out.reshape(T, H, d)
-            rows = raw.shape[1]
-            self.staged_raw[:n, :rows], self.staged_g[:n, :rows], self.staged_beta[:n, :rows] = raw, g, beta
+            rows, at = raw.shape[1], slice(meta.first_seq, meta.first_seq + n)  # a micro-batch's sequences
+            self.staged_raw[at, :rows], self.staged_g[at, :rows], self.staged_beta[at, :rows] = raw, g, beta
         else:  # prefill chunks: each sequence's rows through the chunked form, state updated
             out = x.new_zeros(T, H, d, dtype=wide_dtype(x.dtype))
             for b, slot in enumerate(meta.state_ids.tolist()):

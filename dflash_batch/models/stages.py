@@ -6,6 +6,12 @@ ranges allow: Kimi-K3's KDA, MLA and dense layers weigh differently. The first s
 the tokens; the last holds the final norm and the LM head (and the drafter, which borrows the
 target's embedding and head, so the last stage keeps an embedding too).
 
+A dense forward (a round's verify) may go through the stages in micro-batches, groups of its
+sequences: a stage runs group m while the next runs group m - 1, and the last stage joins the
+groups' carries before its head. Rows are independent in a forward (attention within a
+sequence, recurrent states per sequence, everything else per row), so the groups compute what
+the whole does.
+
 Between stages goes the carry: the rows' residual stream, what the model keeps beside it
 (Kimi-K3's attention-residual blocks) and the drafter's taps taken so far, each [T, hidden],
 stacked. Its depth is a function of the boundary alone, so the next stage knows what to receive.
@@ -70,18 +76,37 @@ def module_bytes(build: Callable[[], torch.nn.Module]) -> int:
 def staged_forward(model, input_ids: torch.Tensor, meta) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The model's part of a forward: embed (first stage) or receive the carry, run the held
     layers, then hand the carry on, or (last stage) return (logits, taps) as a whole model does.
-    A stage other than the last returns (None, None)."""
-    held, T = model.held, input_ids.shape[0]
-    if held.start == 0:
-        carry = model.embed(input_ids)
-    else:
-        depth = model.carry_depth(held.start)
-        carry = list(parallel.recv_prev((depth, T, model.hidden_size), model.dtype, input_ids.device).unbind(0))
-    carry = model.run_layers(carry, meta)
-    if held.stop < model.num_layers:
-        parallel.send_next(torch.stack(carry))
+    A stage other than the last returns (None, None). A dense forward of `meta.micro_batches`
+    groups goes through a group at a time: a stage runs group m while the next runs m - 1."""
+    held = model.held
+    last = held.stop == model.num_layers
+    carries = []
+    for rows, part in micro_batches(meta):
+        if held.start == 0:
+            carry = model.embed(input_ids[rows])
+        else:
+            shape = (model.carry_depth(held.start), part.num_rows, model.hidden_size)
+            carry = list(parallel.recv_prev(shape, model.dtype, input_ids.device).unbind(0))
+        carry = model.run_layers(carry, part)
+        if last:
+            carries.append(carry)
+        else:
+            parallel.send_next(torch.stack(carry))
+    if not last:
         return None, None
-    return model.head(carry, meta)
+    return model.head(carries[0] if len(carries) == 1 else [torch.cat(ts) for ts in zip(*carries)], meta)
+
+
+def micro_batches(meta) -> list[tuple[slice, object]]:
+    """(rows, meta) of each group of sequences a forward goes through the stages in: the
+    forward whole, unless it is dense, split over stages and asks for several; then as many
+    groups (at most one a sequence) of sequences as even as they divide."""
+    n = meta.q_index.shape[0]
+    groups = min(meta.micro_batches, n)
+    if groups <= 1 or parallel.stage()[1] == 1 or not meta.dense:
+        return [(slice(None), meta)]
+    width, bounds = meta.q_index.shape[1], [n * g // groups for g in range(groups + 1)]
+    return [(slice(a * width, b * width), meta.sequences(a, b)) for a, b in zip(bounds, bounds[1:])]
 
 
 def stage_name(name: str, held: range, num_layers: int, head: tuple[str, ...]) -> str | None:
