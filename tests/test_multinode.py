@@ -187,10 +187,11 @@ def test_a_rank_killed_on_one_node_stops_both_and_the_survivors_name_themselves(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp, micro", [(1, 2), (2, 1)], ids=["PP2, 2 micro-batches", "PP2 x TP2"])
+@pytest.mark.parametrize("tp, micro", [(2, 2)], ids=["PP2 x TP2, 2 micro-batches"])
 def test_two_stages_on_two_nodes_equal_tp1(pair, tp1, tmp_path, tp, micro):
     """A stage a node (torchrun's node 0 holds stage 0): the rows one process writes, the layout
-    printed by each stage, rank 0 alone reporting."""
+    printed by each stage, rank 0 alone reporting. (PP2 of one rank a stage: the kill test below
+    and tests/test_slurm_real.py.)"""
     job = kimi_job(tmp_path, pair, "out", tp=tp, pp=2, micro_batches=micro)
     port = free_port()
     nodes = [torchrun_node(n, port, job, per_node=tp) for n in (0, 1)]
@@ -211,17 +212,17 @@ def test_a_stage_killed_stops_every_rank_within_a_minute_and_resume_finishes_the
     """A rank of stage 1 killed outright mid-run: both launches exit non-zero within 60 s, stage 0's
     rank naming itself; the committed rows are whole, and a resumed run (one launch, both stages)
     ends with the rows one uninterrupted process writes."""
-    job = kimi_job(tmp_path, pair, "out", rows=24, pp=2, max_new_tokens=40, rows_per_part=1)
+    job = kimi_job(tmp_path, pair, "out", rows=16, pp=2, max_new_tokens=32, rows_per_part=1)
     port = free_port()
     nodes = [torchrun_node(n, port, job, per_node=1, start_new_session=True) for n in (0, 1)]
     logs, seconds = kill_a_rank_of_node_1_once_rows_commit(nodes, tmp_path / "out")
     assert seconds < 60
     assert "the run lost a rank" in logs[0] and "error: rank 0 of 2 (stage 0 of 2) on" in logs[0], logs[0][-3000:]
     done = {(r["row_id"], r["sample_index"]) for r in read_out(tmp_path / "out")}
-    assert 0 < len(done) < 48
+    assert 0 < len(done) < 32
     assert {r["status"] for r in read_out(tmp_path / "out")} == {"ok"}  # no row blamed for the lost rank
     run_tp1(job)  # the resume: `dflash-batch run` starts both stages' ranks itself
     whole = tmp_path / "whole"
     whole.mkdir()
-    run_tp1(kimi_job(whole, pair, "out", rows=24, max_new_tokens=40, rows_per_part=1))
+    run_tp1(kimi_job(whole, pair, "out", rows=16, max_new_tokens=32, rows_per_part=1))
     assert_rows_equal_tp1(stable_rows(tmp_path / "out"), stable_rows(whole / "out"))
