@@ -285,14 +285,9 @@ def run_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _spread() -> bool:
-    """More than one rank in the run: decisions must be shared."""
-    return run_size() > 1
-
-
 def any_rank(flag: bool) -> bool:
     """True on every rank of the run if it is true on any (so all ranks take the same branch)."""
-    if not _spread():
+    if run_size() == 1:
         return flag
     t = torch.tensor([int(flag)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -302,7 +297,7 @@ def any_rank(flag: bool) -> bool:
 def agreed(value: int) -> int:
     """Rank 0's value on every rank of the run (a decision each rank could make differently: one
     timed on its own clock)."""
-    if not _spread():
+    if run_size() == 1:
         return value
     t = torch.tensor([value], device="cuda" if dist.get_backend() == "nccl" else "cpu")
     dist.broadcast(t, 0)
@@ -310,7 +305,7 @@ def agreed(value: int) -> int:
 
 
 def barrier() -> None:
-    if _spread():
+    if run_size() > 1:
         dist.barrier()
 
 

@@ -129,9 +129,14 @@ class Roofline:
         split where the job splits them and the domain's ranks can; built once."""
         if self.stage_sizers is None:
             runs, g = self.plan.runs, self.per_domain
-            split = runs.ways > 1 and Sizer(self.job, self.job_dir, g, runs.sizer.setup, latent_split=True).can_split()
-            self.stage_sizers = [Sizer(self.job, self.job_dir, g, runs.sizer.setup, latent_split=split,
-                                       at_stage=(s, stages)) for s in range(stages)]
+
+            def sized(split: bool) -> list[Sizer]:
+                return [Sizer(self.job, self.job_dir, g, runs.sizer.setup, latent_split=split, at_stage=(s, stages))
+                        for s in range(stages)]
+
+            self.stage_sizers = sized(runs.ways > 1)
+            if runs.ways > 1 and not self.stage_sizers[0].can_split():  # the domain's ranks cannot split them
+                self.stage_sizers = sized(False)
         return self.stage_sizers
 
     def table(self) -> str:
