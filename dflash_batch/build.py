@@ -250,10 +250,10 @@ def _split(setup: EngineSetup) -> LatentSplit | None:
 
 def _stage_line(target, job: Job) -> str:
     """What this rank's stage holds: "rank R of N (stage S of P) on HOST: TP T, target layers a-b of
-    L[, the LM head and the drafter][; verifies in M micro-batches]"."""
+    L[, the LM head and the drafter][; rounds in M interleaved lanes]"."""
     held, last, micro = target.held, parallel.last_stage(), job.engine.micro_batches
     tail = (", the LM head" + (" and the drafter" if job.model.drafter else "")) if last else ""
-    groups = f"; verifies in {micro} micro-batches" if micro > 1 else ""
+    groups = f"; rounds in {micro} interleaved lanes" if micro > 1 else ""
     return (f"{parallel.describe_rank()}: TP{parallel.world_size()}, target layers {held.start}-{held.stop - 1} "
             f"of {target.num_layers}{tail}{groups}")
 

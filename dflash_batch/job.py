@@ -170,11 +170,12 @@ class EngineSpec(_Strict):
         "Absent: on where it pays, which the memory plan decides: with engine.gpu_memory set, when the buckets "
         "as written do not fit a GPU without it (run and validate say so); off otherwise.")
     micro_batches: int = Field(
-        1, ge=1, le=64, description="Groups of sequences a round's verify goes through the pipeline stages in "
-        "(model.pipeline_parallel_size > 1): stage s runs group m while stage s + 1 runs m - 1, each round "
-        "filling and draining the pipe. Each group reads a stage's weights again, so it pays where a round is "
-        "compute-bound, not memory-bound (dflash-batch plan's roofline compares). Over 1 needs stages and the "
-        "torch backend (flashinfer plans a round's attention whole).")
+        1, ge=1, le=64, description="Lanes the running sequences split into under pipeline stages "
+        "(model.pipeline_parallel_size > 1), each decoding rounds of its own: while the last stage decides and "
+        "drafts lane m's round, the first verifies lane m + 1's, so with at least as many lanes as stages no "
+        "stage waits for a whole round (a round captured as a graph instead goes through in that many groups, "
+        "the pipe filling and draining). Each lane reads a stage's weights again: dflash-batch plan's roofline "
+        "compares. Over 1 needs stages and the torch backend (flashinfer plans a round's attention whole).")
     cuda_graphs: bool | None = Field(
         None, description="Capture the decode round as CUDA graphs. Absent: on where they can run (a "
         "CUDA device, a Qwen3 target, one rank); true where they cannot is refused.")

@@ -131,6 +131,29 @@ def from_last_stage(*tensors: torch.Tensor) -> None:
             dist.broadcast(t, last, group=_stages.peers)
 
 
+def post_to_stages(*tensors: torch.Tensor) -> list:
+    """The last stage: send copies of `tensors` to this rank's peer on every earlier stage, in
+    order, without waiting for them to be received (pipeline lanes, engine/lanes.py). Returns
+    what to wait on before the run goes on to anything else."""
+    index, count = stage()
+    works = []
+    for t in tensors:
+        _add("from_last_stage", t)
+        if _planned is None:
+            sent = t.contiguous().clone()
+            works += [dist.isend(sent, s * _stages.size + dist.get_rank() % _stages.size) for s in range(count - 1)]
+    return works
+
+
+def recv_from_last_stage(*tensors: torch.Tensor) -> None:
+    """A stage before the last: `tensors` (contiguous) take, in place and in order, what this
+    rank's peer on the last stage posted (post_to_stages)."""
+    index, count = stage()
+    if _planned is None:
+        for t in tensors:
+            dist.recv(t, (count - 1) * _stages.size + dist.get_rank() % _stages.size)
+
+
 @contextmanager
 def planned(size: int, at_stage: tuple[int, int] = (0, 1)) -> Iterator[None]:
     """Build and run models as rank 0 of `size` ranks would, without a process group, on stage

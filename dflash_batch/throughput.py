@@ -9,8 +9,8 @@ split (where they split), and pipeline stages across NVLink domains with tensor 
 inside each: each stage's part of the round counted on its own layers (models/stages.py), its
 NIC carrying what it hands on (the rows' hidden states, Kimi-K3's attention-residual blocks and
 the drafter's taps so far) and the last stage's results back; with one micro-batch (the stages
-taking turns) and with as many micro-batches as stages (engine.micro_batches), the sequences
-assumed to fit as they do in the group.
+taking turns) and with as many micro-batches as stages (engine.micro_batches: groups of a
+captured round, or interleaved lanes), the sequences assumed to fit as they do in the group.
 """
 
 from __future__ import annotations
@@ -89,9 +89,11 @@ class Roofline:
         """Bucket i's round with pipeline stages across NVLink domains, TP inside each ([]: one
         domain holds the group, or its ranks do not split evenly into them): with one micro-batch
         (the stages take turns: a round is the sum of their floors) and with as many micro-batches
-        as stages (engine.micro_batches: the pipe fills and drains every round, since the last stage
-        decides once every group is through, so a round is 2 x stages - 1 of the busiest stage's
-        micro-batch turns; the drafter counted in the last stage's share of each)."""
+        as stages (engine.micro_batches), each a stages-th of the sequences: a captured round goes
+        through in that many groups, the pipe filling and draining every round (the last stage
+        decides once every group is through: 2 x stages - 1 of the busiest stage's turns), while
+        uncaptured rounds run in as many lanes whose rounds interleave (engine/lanes.py: a round
+        of every lane is `stages` turns). The drafter is counted in the last stage's share."""
         tp, g = self.plan.tp, self.per_domain
         if tp <= g or tp % g:
             return []
@@ -105,12 +107,12 @@ class Roofline:
         run = Floors(*(sum(getattr(f, name) for f in turns) for name in ("memory", "compute", "nvlink", "nic")))
         micro = -(-seqs // stages)
         busiest = max((self._stage_floors(s, i, micro, k) for s in sizers), key=lambda f: f.seconds)
-        ticks = 2 * stages - 1
-        piped = Floors(*(ticks * getattr(busiest, name) for name in ("memory", "compute", "nvlink", "nic")))
-        return [(f"{stages} stages x TP{g}, one micro-batch (they take turns)",
-                 RoundAt(seqs, k, tokens, run, tokens_per_gpu(seqs, tokens, run, tp))),
-                (f"{stages} stages x TP{g}, {stages} micro-batches",
-                 RoundAt(seqs, k, tokens, piped, tokens_per_gpu(seqs, tokens, piped, tp)))]
+        rows = [(f"{stages} stages x TP{g}, one micro-batch (they take turns)", run)]
+        for ticks, how in ((2 * stages - 1, f"{stages} micro-batches (captured: fill, drain)"),
+                           (stages, f"{stages} lanes (interleaved, eager)")):
+            rows.append((f"{stages} stages x TP{g}, {how}",
+                         Floors(*(ticks * getattr(busiest, name) for name in ("memory", "compute", "nvlink", "nic")))))
+        return [(name, RoundAt(seqs, k, tokens, at, tokens_per_gpu(seqs, tokens, at, tp))) for name, at in rows]
 
     def _stage_floors(self, sizer: Sizer, i: int, seqs: int, k: int) -> Floors:
         """A stage's floors for its part of a round of `seqs` sequences (counted on its own layers):

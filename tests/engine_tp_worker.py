@@ -40,7 +40,7 @@ def generate(target_dir: str, drafter_dir: str, prompts: list[list[int]], sampli
     The target taps the drafter's layers on the drafter's aux_hidden_stream, as build_engine does.
     `graphs`: rounds go through the engine's graph path, captured and replayed as CUDA graphs on a
     GPU, emulated on the CPU. `share_prompts`: the engine's (shared heads, forked samples);
-    `micro_batches`: the engine's (groups a verify goes through pipeline stages in)."""
+    `micro_batches`: the engine's (lanes, or groups of a captured round, under pipeline stages)."""
     # float64: the ranks sum partial products in another order than one process; in float32
     # that could round a near-tie apart.
     target, drafter = load_model(target_dir, torch.float64, device), load_model(drafter_dir, torch.float64, device)
@@ -99,31 +99,58 @@ def run(rank: int, world_size: int, port: int, target_dir: str, drafter_dir: str
         if costs_by_rank is not None:
             Engine._time_round = lambda self, *args: costs_by_rank[rank][args[-1] - 1]
         speculation = speculation if costs_by_rank is None else "auto"
-        groups = record_verify_groups()
+        verifies = record_verifies()
         results = {name: generate(target_dir, drafter_dir, prompts, s, graphs, device, speculation, latent_split,
                                   backend, micro_batches=micro_batches) for name, s in runs.items()}
-        results["verify groups"] = sorted(set(groups))
+        results["verifies"] = verifies
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         parallel.leave_stages()
         dist.destroy_process_group()
 
 
-def record_verify_groups() -> list[int]:
-    """The groups (micro-batches) each verify this process runs goes through the stages in, as
-    models/stages.py splits them: appended to the list returned."""
+def record_verifies() -> list:
+    """What this process's verify forwards were, in order: (the batch row their first sequence
+    sits in, the groups of sequences models/stages.py sends them through the stages in); and
+    "decided" where the rank took the last stage's decision of a lane's round (engine/lanes.py);
+    ("prefill", groups) for a prefill step. Appended to the list returned."""
     from dflash_batch.models import stages
 
-    groups, split = [], stages.micro_batches
+    events, split, take = [], stages.micro_batches, parallel.recv_from_last_stage
 
     def recorded(meta):
         parts = split(meta)
-        if meta.name == "verify":
-            groups.append(len(parts))
+        if meta.name in ("verify", "prefill"):
+            events.append((meta.first_seq if meta.name == "verify" else "prefill", len(parts)))
         return parts
 
-    stages.micro_batches = recorded
-    return groups
+    def took(*tensors):
+        if len(tensors) > 1:  # a decision (a lane's drafts come alone)
+            events.append("decided")
+        take(*tensors)
+
+    stages.micro_batches, parallel.recv_from_last_stage = recorded, took
+    return events
+
+
+def assert_stages_took_turns(verifies: list, first_stage: bool, micro_batches: int, stages: int,
+                             graphs: bool) -> None:
+    """Rounds went through the stages as `micro_batches` asks: captured rounds whole, their
+    sequences in that many groups (`graphs`: some were captured); the others in that many lanes
+    (engine/lanes.py), the first stage verifying lane m + 1's round before it takes lane m's
+    decision; a prefill step of several prompts in that many groups."""
+    prefills = [groups for first, groups in (v for v in verifies if v != "decided") if first == "prefill"]
+    assert max(prefills) == (micro_batches if stages > 1 else 1), verifies  # a step of several prompts
+    runs = [v for v in verifies if v != "decided" and v[0] != "prefill"]
+    if stages == 1 or micro_batches == 1:
+        assert set(runs) == {(0, 1)}, runs
+        return
+    grouped, laned = [v for v in runs if v[1] > 1], [v for v in runs if v[1] == 1]
+    assert max((g for _, g in grouped), default=None) == (micro_batches if graphs else None), runs
+    assert {first for first, _ in grouped} <= {0} and len({first for first, _ in laned}) == micro_batches, runs
+    if first_stage:
+        lanes = [v for v in verifies if v == "decided" or v[0] != "prefill"]
+        assert any("decided" not in (a, b) and a[0] != b[0] for a, b in zip(lanes, lanes[1:])), verifies
 
 
 def assert_tp2_equals_tp1(target_dir: str, drafter_dir: str, prompts: list[list[int]], runs: dict[str, dict],
@@ -140,8 +167,8 @@ def assert_tp2_equals_tp1(target_dir: str, drafter_dir: str, prompts: list[list[
     sampling setting in `runs`, and logprobs within `logprob_atol`; `cached`: the prompt tokens
     each prompt took from a shared head on the ranks; `stages`: the ranks form that many pipeline
     stages, each a tensor-parallel group of ranks / stages, stage s holding the layers `held[s]`;
-    `speculation` False: target-only rounds, in both; `micro_batches`: the ranks' verifies go
-    through the stages in that many groups of sequences."""
+    `speculation` False: target-only rounds, in both; `micro_batches`: the ranks' rounds go
+    through the stages in that many lanes, or (captured) in that many groups of sequences."""
     import torch.multiprocessing as mp
 
     args = (target_dir, drafter_dir, prompts, runs)
@@ -164,8 +191,7 @@ def assert_tp2_equals_tp1(target_dir: str, drafter_dir: str, prompts: list[list[
                     torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=logprob_atol)
             assert cached is None or [g["cached"] for g in got[name]] == cached, f"rank {rank}, {name}"
             assert held is None or range(*got[name][0]["held"]) == held[rank // (ranks // stages)], f"rank {rank}"
-        # as many groups as asked where a verify has that many sequences (a graph of one has one)
-        assert max(got["verify groups"]) == (micro_batches if stages > 1 else 1), (rank, got["verify groups"])
+        assert_stages_took_turns(got["verifies"], rank < ranks // stages, micro_batches, stages, graphs)
 
 
 def assert_auto_ranks_agree(target_dir: str, drafter_dir: str, prompts: list[list[int]], out_dir: str,

@@ -201,7 +201,7 @@ def test_two_stages_on_two_nodes_equal_tp1(pair, tp1, tmp_path, tp, micro):
     assert_rows_equal_tp1(rows, stable_rows(tp1))
     assert {r["status"] for r in rows} == {"ok"} and len(rows) == 16 and all(r["spec_histogram"] for r in rows)
     assert f"(stage 0 of 2) on {socket.gethostname()}: TP{tp}, target layers 0-3 of 8" in logs[0], logs[0][-3000:]
-    groups = "; verifies in 2 micro-batches" if micro > 1 else ""
+    groups = "; rounds in 2 interleaved lanes" if micro > 1 else ""
     assert f"(stage 1 of 2) on {socket.gethostname()}: TP{tp}, target layers 4-7 of 8, the LM head and the " \
            f"drafter{groups}\n" in logs[1], logs[1][-3000:]
     assert "rows committed this run" in logs[0] and "rows committed this run" not in logs[1]

@@ -78,12 +78,15 @@ def test_two_stages_on_auto_follow_rank_0s_plan(tmp_path):
 def test_kimi_k3_over_two_stages_decodes_what_one_process_does(tmp_path, stream, micro):
     # 8 layers (KDA but 3 and 7, attention-residual blocks of 3) split 0-3 | 4-7: the boundary
     # carries the prefix, two blocks and tap 1; on the attn_res stream tap 3 is the mix entering
-    # layer 4, taken on the second stage from what the first handed on. `micro` 2: the verify's
-    # sequences in two groups, each staging its KDA rows where it sits in the round.
+    # layer 4, taken on the second stage from what the first handed on. `micro` 2, through the
+    # graph path: captured rounds go through in two groups of sequences, the rounds with logprobs
+    # (not captured: their batch grew) in two interleaved lanes; each group and lane stages and
+    # commits its KDA rows where it sits in the round.
     target, drafter = make_kimi_pair(tmp_path / "pair", stream=stream, moe_intermediate_size=64)
     prompts = random_prompts([1, 37, 20], vocab=VOCAB, seed=6)
     engine_tp_worker.assert_tp2_equals_tp1(str(target), str(drafter), prompts, RUNS, str(tmp_path), free_port(),
-                                           ranks=2, stages=2, held=[range(0, 4), range(4, 8)], micro_batches=micro)
+                                           graphs=micro > 1, ranks=2, stages=2, held=[range(0, 4), range(4, 8)],
+                                           micro_batches=micro)
 
 
 @pytest.mark.numerics
@@ -92,7 +95,7 @@ def test_kimi_k3_over_two_stages_decodes_what_one_process_does(tmp_path, stream,
 def test_two_stages_of_two_ranks_split_the_latents_and_share_a_head(tmp_path):
     # PP2 x TP2: each stage's two ranks hold half of every layer's heads and keep every other
     # position's MLA latents; three prompts share a 70-token head (prefilled once, on both stages);
-    # verifies in two micro-batches.
+    # rounds in two interleaved lanes.
     target, drafter = make_kimi_pair(tmp_path / "pair", stream="attn_res", moe_intermediate_size=64, slices=2)
     head = random_prompts([70], vocab=VOCAB, seed=7)[0]
     prompts = [head + t for t in random_prompts([5, 1, 3], vocab=VOCAB, seed=8)]

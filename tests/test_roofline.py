@@ -237,8 +237,14 @@ def test_the_plan_prints_each_buckets_floors_and_best_draft_count():
         best = max(rows, key=lambda r: float(r.split()[7].replace(",", "")))
         assert f"best k = {best.split()[0]}: {best.split()[7]} tokens/s per GPU" in section
         layouts = section.split("bucket")[0]
-        assert "2 stages x TP8, one micro-batch (they take turns)" in layouts
-        assert "2 stages x TP8, 2 micro-batches" in layouts
+        staged = {name: row.split() for name in ("one micro-batch (they take turns)", "2 micro-batches (captured: fill, drain)",
+                                                   "2 lanes (interleaved, eager)")
+                  for row in layouts.splitlines() if f"2 stages x TP8, {name}" in row}
+        assert len(staged) == 3, layouts
+        # a captured round's two micro-batches take 3 turns of the busiest stage, two lanes' rounds 2
+        ms = {name: [float(v) for v in row[-6:-2]] for name, row in staged.items()}
+        groups, lanes = ms["2 micro-batches (captured: fill, drain)"], ms["2 lanes (interleaved, eager)"]
+        assert [g / 3 for g in groups] == pytest.approx([v / 2 for v in lanes], abs=0.1)
 
 
 # -- a finished run's acceptance, and what the plan refuses ------------------------------------------

@@ -93,7 +93,7 @@ class AttnMeta:
     rows: torch.Tensor | None = None  # [bs] batch row of each sequence (whose ring pages it uses)
     ring: Ring | None = None    # the geometry of ring caches, for layers that keep one
     name: str = "forward"       # which planned forward this is (backends plan per name)
-    micro_batches: int = 1      # groups of sequences a dense forward goes through pipeline stages in
+    micro_batches: int = 1      # groups of sequences a forward goes through pipeline stages in
     first_seq: int = 0          # the round's sequence this forward's first one is (a micro-batch's)
     derived: dict = field(default_factory=dict, repr=False)  # per-forward values layers share
 
@@ -128,16 +128,17 @@ class AttnMeta:
                                    block_tables=tables, rows_own_slots=False, ring=None, derived={},
                                    name=f"{self.name}.ring")
 
-    def sequences(self, a: int, b: int) -> AttnMeta:
-        """Sequences a..b-1 of a dense forward (each q_max rows, in order) as a forward of their own:
-        a micro-batch (models/stages.py). Its rows count from 0; `first_seq` keeps where it sits in
-        the round (KDA stages its rows there). The logits rows stay the whole forward's."""
-        if not self.dense:
-            raise ValueError(f"forward {self.name!r} is not dense: its sequences' rows are not in blocks")
-        width = self.q_index.shape[1]
-        rows = slice(a * width, b * width)
+    def sequences(self, a: int, b: int, rows: slice) -> AttnMeta:
+        """Sequences a..b-1, whose rows are `rows` (rows of sequences are contiguous, in order), as a
+        forward of their own: a micro-batch (models/stages.py). Its rows count from 0; `first_seq`
+        keeps where it sits in the round (KDA stages its rows there). The logits rows stay the
+        whole forward's."""
+        start, count = rows.start, rows.stop - rows.start
+        q_index = self.q_index[a:b] - start
+        if not self.dense:  # padding queries point past the last row
+            q_index = torch.where(self.q_positions[a:b] >= 0, q_index, count)
         return dataclasses.replace(
-            self, positions=self.positions[rows], slots=self.slots[rows], q_index=self.q_index[a:b] - a * width,
+            self, positions=self.positions[rows], slots=self.slots[rows], q_index=q_index,
             q_positions=self.q_positions[a:b], kv_lens=self.kv_lens[a:b], block_tables=self.block_tables[a:b],
             state_ids=None if self.state_ids is None else self.state_ids[a:b],
             rows=None if self.rows is None else self.rows[a:b], rows_own_slots=False, micro_batches=1,

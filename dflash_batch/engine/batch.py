@@ -10,11 +10,19 @@ sequence retires.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from dflash_batch.backends.meta import Ring
 from dflash_batch.engine.sequence import Sequence
 from dflash_batch.limits import MAX_LOGIT_BIAS, MAX_LOGPROBS
+
+
+# The tensors with a row per batch row (a lane takes its rows' views of them).
+PER_ROW = ("ids", "pos", "budget", "tables", "temperature", "top_k", "top_p", "min_p", "min_stop_pos", "bias_ids",
+           "bias", "repetition", "frequency", "presence", "counts", "in_prompt", "token_logprob", "top_logprob_ids",
+           "top_logprobs", "seed", "stop_ids", "state_slot", "out", "row_ids")
 
 
 class DecodeBatch:
@@ -33,6 +41,7 @@ class DecodeBatch:
             return torch.full(shape, value, dtype=dtype, device=device)
 
         self.rows, self.block, self.page_size, self.device, self.ring = rows, block, page_size, device, ring
+        self.first_row = 0  # the row of the batch this one's row 0 is (a lane's: `lane`)
         self.scratch_state, self.scratch_page = sequences, sequences * max_pages
         self.head_pages, self.static = head_pages, static
         self.num_slots = (self.scratch_page + 1 + head_pages) * page_size  # the rows' pages, scratch, heads
@@ -140,8 +149,23 @@ class DecodeBatch:
 
     @property
     def rows_own_slots(self) -> bool:
-        """AttnMeta.rows_own_slots of its rounds: no row reads pages past its own."""
-        return not self.head_pages or not (self.static or self.shared_rows)
+        """AttnMeta.rows_own_slots of its rounds: no row reads pages past its own (and row b's
+        slots are the b-th: not so in a lane past the first row)."""
+        return self.first_row == 0 and (not self.head_pages or not (self.static or self.shared_rows))
+
+    def lane(self, a: int, b: int) -> DecodeBatch:
+        """Rows a..b-1 as a batch of their own, every per-row tensor a view of this batch's (a
+        pipeline lane, engine/lanes.py): a round of it is the round of those rows."""
+        view = copy.copy(self)
+        for name in PER_ROW:
+            if (t := getattr(self, name)) is not None:
+                setattr(view, name, t[a:b])
+        for name in ("grammar_bits", "allowed_bits"):  # a row per verify row
+            if (t := getattr(self, name)) is not None:
+                setattr(view, name, t[a * self.block:b * self.block])
+        view.rows, view.first_row, view.host_tables = b - a, self.first_row + a, self.host_tables[a:b]
+        view.q_index = torch.arange((b - a) * self.block, device=self.device).view(b - a, self.block)
+        return view
 
     def clear(self, row: int) -> None:
         """Make a row padding."""

@@ -61,9 +61,10 @@ class SeqRows:
 def build_meta(rows: list[SeqRows], page_size: int, logits_rows: list[int] | None = None,
                device: torch.device | str = "cpu", state_ids: list[int] | None = None,
                stage: bool = False, backend: AttentionBackend = TORCH, name: str = "forward",
-               batch_rows: list[int] | None = None, ring: Ring | None = None) -> AttnMeta:
+               batch_rows: list[int] | None = None, ring: Ring | None = None, micro_batches: int = 1) -> AttnMeta:
     """The AttnMeta of a forward whose rows are `rows`, packed in order; `batch_rows`: the batch
-    row of each sequence (whose ring pages it uses, with `ring`)."""
+    row of each sequence (whose ring pages it uses, with `ring`); `micro_batches`: groups of
+    sequences it goes through pipeline stages in."""
     q_max = max(r.count for r in rows)
     max_pages = max(len(r.pages) for r in rows)
     positions, slot_ids, q_index, q_pos, tables = [], [], [], [], []
@@ -88,4 +89,5 @@ def build_meta(rows: list[SeqRows], page_size: int, logits_rows: list[int] | Non
                     logits_rows=t(list(range(total)) if logits_rows is None else logits_rows),
                     state_ids=None if state_ids is None else t(state_ids), stage=stage,
                     rows=None if batch_rows is None else t(batch_rows), ring=ring,
-                    dense=all(r.count == q_max for r in rows), backend=backend, name=name)
+                    dense=all(r.count == q_max for r in rows), backend=backend, name=name,
+                    micro_batches=micro_batches)

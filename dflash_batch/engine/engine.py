@@ -23,17 +23,18 @@ from dflash_batch.backends.torch_attention import TORCH
 from dflash_batch.engine.batch import DecodeBatch
 from dflash_batch.engine.cache import NO_RINGS, RowRings, SeqRows, build_meta, row_pages, slots
 from dflash_batch.engine.compile_policy import CompileWhenItPays
+from dflash_batch.engine.emitted import take_round
 from dflash_batch.engine.graphs import RoundGraphs
+from dflash_batch.engine.lanes import run_lanes
 from dflash_batch.engine.heads import HeadPool, plan_heads, pool_bound
 from dflash_batch.engine.queue import Queue
 from dflash_batch.engine.request import Completion, Logprobs, Request
-from dflash_batch.engine.round import ERROR, Round
+from dflash_batch.engine.round import Round
 from dflash_batch.engine.schedule import NOWHERE, Schedule
 from dflash_batch.engine.sampling import (add_bias_, choose_tokens, hold_stops_, log_probs, mask_disallowed_,
                                           penalize_)
 from dflash_batch.engine.sequence import Sequence
 from dflash_batch.kernels import ops
-from dflash_batch.kernels.accept import STOP
 from dflash_batch.kernels.sample import top1
 from dflash_batch.models.layers.dtypes import wide_dtype
 from dflash_batch.plan.buckets import Bucket
@@ -97,7 +98,8 @@ class Engine:
         uncompiled (compile_policy.py); `share_prompts`: samples fork a prompt's prefill, and rows
         share heads of up to `shared_head_tokens` (engine/heads.py); `auto_speculation`:
         (min_acc_len, rounds) of buckets with speculation "auto" (schedule.py); `micro_batches`:
-        groups of sequences a round's verify goes through pipeline stages in (models/stages.py)."""
+        under pipeline stages, the lanes rounds interleave in (lanes.py), or the groups of sequences
+        a captured round or a prefill step goes through the stages in (models/stages.py)."""
         self.target, self.drafter = target, drafter
         self.micro_batches = micro_batches
         self.vocab_size: int = target.vocab_size
@@ -186,6 +188,7 @@ class Engine:
                     if not involved:
                         return
                 switch = None  # why an auto bucket stops speculating after this step
+                laned, ended = False, []  # rounds in pipeline lanes; the sequences they ended (released)
                 try:
                     if q.prefilling:
                         finished = self._prefill(chunks, block, caches, q.heads)
@@ -202,31 +205,54 @@ class Engine:
                         k = max(plan, 0)
                         started = time.perf_counter()
                         emitted = sum(len(s.tokens) for s in involved) if pays is not None else 0
-                        accepted = self._round(batch, q.running, step, graphs, block, k + 1)
-                        finished = [s for s in involved if s.finish_reason]
+                        if laned := self._lanes_fit(q, graphs, size, k + 1, pays):
+                            ran = run_lanes(q, batch, step, size, self.micro_batches, k + 1,
+                                            all(s.plain_greedy for s in involved), self.decode)
+                            ended, finished = ran.ended, []
+                            if schedule is not None:  # a round of every lane counts as the batch's round
+                                for accepted in ran.accepted:
+                                    schedule.record(size, k, ran.seconds / len(ran.accepted),
+                                                    [a for a, seq in accepted if not seq.finish_reason])
+                                if schedule.pinned is None:
+                                    switch = schedule.why_stop(plan == NOWHERE)
+                        else:
+                            accepted = self._round(batch, q.running, step, graphs, block, k + 1)
+                            finished = [s for s in involved if s.finish_reason]
                         if pays is not None:
                             pays.record(time.perf_counter() - started, sum(len(s.tokens) for s in involved) - emitted)
                             if (verdict := pays.verdict()) is not None:
                                 self._decided(bucket, step, models, *verdict)
                                 pays = None
-                        if schedule is not None:
+                        if schedule is not None and not laned:
                             # A round cut by its sequence's end measures no acceptance.
                             schedule.record(size, k, time.perf_counter() - started,
                                             [a for a, seq in accepted if not seq.finish_reason])
                             if schedule.pinned is None:
                                 switch = schedule.why_stop(plan == NOWHERE)
                 except Exception as error:  # noqa: BLE001 - any failure: decide what it costs
-                    if parallel.lost_rank(error):  # the run cannot go on: no row is to blame
+                    # The run cannot go on: a rank is lost (no row is to blame), or lanes failed
+                    # with messages between stages in flight.
+                    if parallel.lost_rank(error) or laned:
                         raise
                     involved += [f for s in involved for f in s.followers]  # they wait on it
                     finished = self._recover(error, involved, q, batch, bucket)
                 for seq in finished:
                     q.release(seq, batch)
+                for seq in (*finished, *ended):
                     yield seq.completion(self.decode)
                 if switch and (one_row := self._stop_speculating(bucket, q, batch, pages_per_row, switch)) is not None:
                     batch, step, graphs = one_row
                     block, schedule = 1, None
                     caches = slot_caches([self.target], batch, split)
+
+    def _lanes_fit(self, q: Queue, graphs: RoundGraphs | None, size: int, width: int,
+                   pays: CompileWhenItPays | None) -> bool:
+        """Whether this step's rounds run in interleaved pipeline lanes (engine/lanes.py): under
+        stages with micro-batches, unless a round is captured, a row follows a grammar, the
+        compile policy is timing rounds, or requests restart one at a time after a failure."""
+        constrained = any(s is not None and s.matcher is not None for s in q.running)
+        return (self.micro_batches > 1 and parallel.stage()[1] > 1 and pays is None and not q.suspects
+                and not constrained and not (graphs is not None and graphs.covers(size, width)))
 
     def _decided(self, bucket: Bucket, step: Round, models: list[torch.nn.Module], compile: bool, why: str) -> None:
         self.log(f"bucket {bucket.name}: {'compiling the round' if compile else 'rounds run uncompiled'}: {why}")
@@ -470,7 +496,8 @@ class Engine:
             logit_rows += wanted
             row += r.count
         meta = build_meta(rows, self.page_size, logit_rows, self.device, [s.row for s in seqs],
-                          backend=self.attention, name="prefill", batch_rows=[s.row for s in seqs], ring=self.ring)
+                          backend=self.attention, name="prefill", batch_rows=[s.row for s in seqs], ring=self.ring,
+                          micro_batches=self.micro_batches)
         self.attention.plan(meta)
         logits, taps = self.target(torch.tensor(ids, dtype=torch.int64, device=self.device), meta)
         if block > 1 and parallel.last_stage():
@@ -637,46 +664,7 @@ class Engine:
             step.verify(batch, size, False, drafted, constrained=True)
         else:
             step(batch, size, greedy, max(positions) + block, width)
-        scored = any(s is not None and s.logprobs is not None for s in running[:n])
-        if scored:
-            logprobs = zip(batch.token_logprob[:n].tolist(), batch.top_logprob_ids[:n].tolist(),
-                           batch.top_logprobs[:n].tolist())
-        accepted, drafts = [], None  # drafts: read back only in a round that ends a sequence
-        for i, (seq, row) in enumerate(zip(running[:n], batch.out[:n].tolist())):
-            lps = next(logprobs) if scored else None
-            if seq is None:
-                continue
-            if row[block + 1] == ERROR:
-                seq.fail("non_finite_logits", f"the target's logits at positions {seq.position}.."
-                                              f"{seq.position + block - 1} are not finite")
-                continue
-            before, kept = len(seq.tokens), row[block]
-            seq.tokens += row[:kept]
-            if seq.matcher is not None and not all(map(seq.matcher.accept_token, row[:kept])):
-                seq.fail("grammar_error", f"the grammar refused a token it had allowed at position {seq.position}")
-                continue
-            if seq.logprobs is not None:
-                k = seq.params.logprobs
-                for token, ids, top in list(zip(*lps))[:kept]:
-                    seq.logprobs.add(token, ids[:k], top[:k])
-            if row[block + 1]:
-                seq.finish_reason = "stop" if row[block + 1] == STOP else "length"
-                seq.stop_reason = str(seq.tokens[-1]) if row[block + 1] == STOP else None
-            seq.check_stop_strings(self.decode, before + 1)
-            if seq.spec is not None and block > 1:
-                # Counted after a stop string's cut too: the round keeps only tokens up to it.
-                kept_drafts, verified = len(seq.tokens) - before - 1, width - 1
-                if seq.finish_reason and kept_drafts < verified:
-                    # The round that ends a sequence counts the drafts up to its last token, the
-                    # last one included only if the target rejected it (the last token is then
-                    # the target's own). A draft accepted as the last token counts as the
-                    # round's token of its own, as in acc_len; drafts past the end never could.
-                    if drafts is None:
-                        drafts = batch.ids[:n, 1:width].tolist()
-                    verified = kept_drafts + (seq.tokens[-1] != drafts[i][kept_drafts])
-                seq.spec.add(kept_drafts, verified)
-                accepted.append((kept_drafts, seq))
-        return accepted
+        return take_round(batch, running[:n], block, width, self.decode)
 
     @staticmethod
     def _grammar_masks(batch: DecodeBatch, running: list[Sequence | None], block: int) -> None:

@@ -86,10 +86,13 @@ class Round:
     def run(self, batch: DecodeBatch, n: int, greedy: bool, max_kv: int, width: int) -> None:
         self.verify(batch, n, greedy, self.draft(batch, n, max_kv, width))
 
-    def draft(self, batch: DecodeBatch, n: int, max_kv: int, width: int | None = None) -> tuple:
+    def draft(self, batch: DecodeBatch, n: int, max_kv: int, width: int | None = None, lane: bool = False) -> tuple:
         """prepare + draft: batch.ids[:n, 1:] hold the proposal after it (none when `width` is 1).
-        Returns what verify reads: its positions and meta, `width` rows a sequence."""
+        Returns what verify reads: its positions and meta, `width` rows a sequence. `lane`: a
+        lane's round (engine/lanes.py): the drafts stay on the last stage, which posts them
+        itself, and the verify goes through the stages whole."""
         B, b, W = self.block, batch, width or self.block
+        groups = 1 if lane else self.micro_batches
         ids = b.ids[:n]
         draft_ids, positions, slots, draft_kv, verify_kv = self.ops.prepare(
             ids, b.pos[:n], b.budget[:n], b.tables[:n], self.page_size, self.mask_id)
@@ -105,10 +108,12 @@ class Round:
             if parallel.last_stage():  # under pipeline stages the drafter runs where the taps arrive
                 hidden = self.drafter(draft_ids, meta("draft", draft_kv, logits_rows=b.no_rows), block_size=B)
                 ids[:, 1:] = self.drafter.propose(hidden.view(n, B, -1), ids[:, 0])
-            parallel.from_last_stage(ids)  # the first stage embeds the drafts; every stage's host reads them
+            if not lane:  # the first stage embeds the drafts; every stage's host reads them
+                parallel.from_last_stage(ids)
         if W == B:
             return positions, meta("verify", verify_kv, logits_rows=b.q_index[:n].reshape(-1),
-                                   state_ids=b.state_slot[:n], stage=self.recurrent, micro_batches=self.micro_batches)
+                                   state_ids=b.state_slot[:n], stage=self.recurrent, micro_batches=groups,
+                                   first_seq=b.first_row)
         ids[:, W:] = -1  # drafts past the width: no verify row checks them, so none is accepted
         positions = positions.view(n, B)[:, :W].reshape(-1)
         q_index = torch.arange(n * W, device=ids.device).view(n, W)
@@ -117,13 +122,24 @@ class Round:
                           page_size=self.page_size, max_kv=max_kv, dense=True, rows_own_slots=b.rows_own_slots,
                           name="verify",
                           backend=self.attention, rows=b.row_ids[:n], ring=b.ring, logits_rows=q_index.reshape(-1),
-                          state_ids=b.state_slot[:n], stage=self.recurrent, micro_batches=self.micro_batches)
+                          state_ids=b.state_slot[:n], stage=self.recurrent, micro_batches=groups,
+                          first_seq=b.first_row)
         return positions, verify
 
     def verify(self, batch: DecodeBatch, n: int, greedy: bool, drafted: tuple, constrained: bool = False) -> None:
         """verify -> choose -> accept -> context -> commit. `constrained`: mask each verify row's
         logits with batch.allowed_bits (structured output; the host filled them after draft)."""
-        B, b = self.block, batch
+        b = batch
+        accepted = self.check(b, n, greedy, drafted, constrained)
+        # Budgets stay behind: only the drafter and accept read them, on the last stage.
+        parallel.from_last_stage(*self.decided(b, n, accepted))
+        self.settle(b, n, accepted)
+
+    def check(self, batch: DecodeBatch, n: int, greedy: bool, drafted: tuple, constrained: bool = False) -> torch.Tensor:
+        """verify -> choose -> accept -> context: the target's part of this stage, and on the last
+        stage the decision; returns the drafts each sequence accepted (zeros before the last stage,
+        which takes the last stage's: `decided`)."""
+        b = batch
         positions, verify = drafted
         W = verify.q_index.shape[1]  # rows verified a sequence
         ids = b.ids[:n, :W]
@@ -131,22 +147,29 @@ class Round:
         # row's best (3 values a row); the others gather whole rows a group at a time (choice.py).
         verify.gather_logits = False
         logits, taps = self.target(ids.reshape(-1), verify)
-        if parallel.last_stage():
-            accepted = self.decide(b, n, W, logits, positions, greedy, constrained)
-            if self.drafter is not None:
-                self.drafter.write_context(taps, verify)
-        else:  # a stage before the last has no logits: it takes what the last decided
-            accepted = torch.zeros(n, dtype=torch.int64, device=ids.device)
-        # Budgets stay behind: only the drafter and accept read them, on the last stage.
+        if not parallel.last_stage():  # a stage before the last has no logits: it takes what the last decided
+            return torch.zeros(n, dtype=torch.int64, device=ids.device)
+        accepted = self.decide(b, n, W, logits, positions, greedy, constrained)
+        if self.drafter is not None:
+            self.drafter.write_context(taps, verify)
+        return accepted
+
+    @staticmethod
+    def decided(b: DecodeBatch, n: int, accepted: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """What the last stage's decision changed for rows 0..n-1, which every stage takes."""
         scored = (b.token_logprob[:n], b.top_logprob_ids[:n], b.top_logprobs[:n]) if b.token_logprob is not None else ()
-        parallel.from_last_stage(b.ids[:n], b.pos[:n], b.out[:n], accepted, *scored)
+        return b.ids[:n], b.pos[:n], b.out[:n], accepted, *scored
+
+    def settle(self, b: DecodeBatch, n: int, accepted: torch.Tensor) -> None:
+        """After the decision: count what rows emitted (penalties) and commit recurrent states."""
+        B = self.block
         if b.counts is not None:  # what the rows emitted is generated now
             emitted = b.out[:n, :B]
             b.counts[:n].scatter_add_(-1, emitted.clamp_min(0), (emitted >= 0).to(b.counts.dtype))
         if self.recurrent:
             # The verify left the recurrent state alone; it moves past the anchor and the
             # accepted drafts (the bonus is the next anchor, not yet fed).
-            self.target.commit(b.state_slot[:n], accepted + 1)
+            self.target.commit(b.state_slot[:n], accepted + 1, b.first_row)
 
     def decide(self, b: DecodeBatch, n: int, W: int, logits: torch.Tensor, positions: torch.Tensor, greedy: bool,
                constrained: bool) -> torch.Tensor:

@@ -242,18 +242,20 @@ class KDA(nn.Module):
         o = o * torch.sigmoid(wide(self.g_proj(x))).view(T, H, d)
         return self.o_proj(o.reshape(T, H * d).to(x.dtype))
 
-    def commit(self, state_ids: torch.Tensor, kept: torch.Tensor) -> None:
+    def commit(self, state_ids: torch.Tensor, kept: torch.Tensor, first: int = 0) -> None:
         """After a verify: sequence b's committed state advances over its first kept[b] rows,
         replayed from their raw inputs, all sequences at once (no host sync: graph-safe). A row
         past kept[b] replays as zeros with no decay (g = 0) and no write (beta = 0): the state
         passes it unchanged (whatever the rejected row held), so one recurrent pass over every
-        row serves every accepted length."""
+        row serves every accepted length. `first`: where the verify staged sequence 0 (a lane's
+        first row, engine/lanes.py)."""
         n, rows = len(state_ids), self.staged_raw.shape[1]
-        raw, conv = self.staged_raw[:n], self.conv_state[state_ids]
+        staged = slice(first, first + n)
+        raw, conv = self.staged_raw[staged], self.conv_state[state_ids]
         q, k, v, _ = self._qkv(raw, conv)
         live = torch.arange(rows, device=kept.device) < kept[:, None]  # [n, rows]
-        k, v, g = (torch.where(live[:, :, None, None], t, 0) for t in (k, v, self.staged_g[:n]))
-        beta = torch.where(live[:, :, None], self.staged_beta[:n], 0)
+        k, v, g = (torch.where(live[:, :, None, None], t, 0) for t in (k, v, self.staged_g[staged]))
+        beta = torch.where(live[:, :, None], self.staged_beta[staged], 0)
         recurrent, _ = kda_kernels(self.state)
         _, after = recurrent(q, k, v, g, beta, self.state[state_ids])
         self.state[state_ids] = after
@@ -425,10 +427,10 @@ class KimiK3ForConditionalGeneration(nn.Module):
         for pool, value in zip(self.state_pools(), saved, strict=True):
             pool[slot] = value
 
-    def commit(self, state_ids: torch.Tensor, kept: torch.Tensor) -> None:
+    def commit(self, state_ids: torch.Tensor, kept: torch.Tensor, first: int = 0) -> None:
         for layer in self.model.layers:
             if layer.is_kda:
-                layer.self_attn.commit(state_ids, kept)
+                layer.self_attn.commit(state_ids, kept, first)
 
     def forward(self, input_ids: torch.Tensor, meta: AttnMeta) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """input_ids [T] -> (logits for meta.logits_rows, taps [T, n_taps*hidden] | None); (None, None)

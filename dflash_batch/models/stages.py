@@ -6,9 +6,9 @@ ranges allow: Kimi-K3's KDA, MLA and dense layers weigh differently. The first s
 the tokens; the last holds the final norm and the LM head (and the drafter, which borrows the
 target's embedding and head, so the last stage keeps an embedding too).
 
-A dense forward (a round's verify) may go through the stages in micro-batches, groups of its
-sequences: a stage runs group m while the next runs group m - 1, and the last stage joins the
-groups' carries before its head. Rows are independent in a forward (attention within a
+A forward (a captured round's verify, a prefill step's chunks) may go through the stages in
+micro-batches, groups of its sequences: a stage runs group m while the next runs group m - 1,
+and the last stage joins the groups' carries before its head. Rows are independent in a forward (attention within a
 sequence, recurrent states per sequence, everything else per row), so the groups compute what
 the whole does.
 
@@ -76,8 +76,8 @@ def module_bytes(build: Callable[[], torch.nn.Module]) -> int:
 def staged_forward(model, input_ids: torch.Tensor, meta) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The model's part of a forward: embed (first stage) or receive the carry, run the held
     layers, then hand the carry on, or (last stage) return (logits, taps) as a whole model does.
-    A stage other than the last returns (None, None). A dense forward of `meta.micro_batches`
-    groups goes through a group at a time: a stage runs group m while the next runs m - 1."""
+    A stage other than the last returns (None, None). A forward of `meta.micro_batches` groups
+    goes through a group at a time: a stage runs group m while the next runs m - 1."""
     held = model.held
     last = held.stop == model.num_layers
     carries = []
@@ -98,15 +98,27 @@ def staged_forward(model, input_ids: torch.Tensor, meta) -> tuple[torch.Tensor |
 
 
 def micro_batches(meta) -> list[tuple[slice, object]]:
-    """(rows, meta) of each group of sequences a forward goes through the stages in: the
-    forward whole, unless it is dense, split over stages and asks for several; then as many
-    groups (at most one a sequence) of sequences as even as they divide."""
+    """(rows, meta) of each group of sequences a forward goes through the stages in: the forward
+    whole, unless it is split over stages and asks for several; then as many groups (at most one
+    a sequence) of whole sequences as its rows divide most evenly into."""
     n = meta.q_index.shape[0]
     groups = min(meta.micro_batches, n)
-    if groups <= 1 or parallel.stage()[1] == 1 or not meta.dense:
+    if groups <= 1 or parallel.stage()[1] == 1:
         return [(slice(None), meta)]
-    width, bounds = meta.q_index.shape[1], [n * g // groups for g in range(groups + 1)]
-    return [(slice(a * width, b * width), meta.sequences(a, b)) for a, b in zip(bounds, bounds[1:])]
+    if meta.dense:
+        starts = [i * meta.q_index.shape[1] for i in range(n + 1)]  # sequence i's first row
+        bounds = [n * g // groups for g in range(groups + 1)]
+    else:  # a prefill's chunks: each group ends at the sequence boundary nearest its share of rows
+        starts = [0]
+        for count in (meta.q_positions >= 0).sum(1).tolist():
+            starts.append(starts[-1] + count)
+        bounds = [0]
+        for g in range(1, groups):
+            share = meta.num_rows * g / groups
+            bounds.append(min(range(bounds[-1] + 1, n - groups + g + 1), key=lambda b: abs(starts[b] - share)))
+        bounds.append(n)
+    return [(slice(starts[a], starts[b]), meta.sequences(a, b, slice(starts[a], starts[b])))
+            for a, b in zip(bounds, bounds[1:])]
 
 
 def stage_name(name: str, held: range, num_layers: int, head: tuple[str, ...]) -> str | None:
