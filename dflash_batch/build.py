@@ -151,9 +151,12 @@ def resolve_engine(job: Job, cuda: bool | None = None, flashinfer: bool | None =
 
     host_reads = _why_host_reads(target_ckpt, kernels)
     # Under tensor parallelism every rank captures the same rounds, NCCL collectives inside them.
+    # flashinfer lays a round out whole, so micro-batches run as lanes (engine/lanes.py), eagerly.
+    lanes = e.micro_batches > 1 and backend == "flashinfer"
     why_no_graphs = (
         "they need a CUDA device (this host has none, or engine.backend is torch)" if device != "cuda" else
-        host_reads)
+        host_reads or (f"engine.micro_batches {e.micro_batches} on flashinfer runs rounds in lanes, eagerly"
+                       if lanes else None))
     if e.cuda_graphs and why_no_graphs:
         raise JobError(f"engine.cuda_graphs: true cannot take effect: {why_no_graphs}")
     graphs = why_no_graphs is None if e.cuda_graphs is None else e.cuda_graphs
@@ -165,9 +168,6 @@ def resolve_engine(job: Job, cuda: bool | None = None, flashinfer: bool | None =
     if e.micro_batches > 1 and pp == 1:
         raise JobError(f"engine.micro_batches {e.micro_batches}: there are no pipeline stages to keep busy "
                        "(model.pipeline_parallel_size is 1)")
-    if e.micro_batches > 1 and backend == "flashinfer":
-        raise JobError(f"engine.micro_batches {e.micro_batches}: flashinfer plans a round's attention whole; set "
-                       "engine.backend: torch")
     why_no_compile = (
         "compilation is the CPU path (on a GPU the round runs under CUDA graphs)" if device != "cpu" else
         host_reads or ("tensor_parallel_size > 1 is not compiled yet" if tp > 1 else None)

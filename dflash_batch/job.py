@@ -175,7 +175,8 @@ class EngineSpec(_Strict):
         "drafts lane m's round, the first verifies lane m + 1's, so with at least as many lanes as stages no "
         "stage waits for a whole round (a round captured as a graph instead goes through in that many groups, "
         "the pipe filling and draining). Each lane reads a stage's weights again: dflash-batch plan's roofline "
-        "compares. Over 1 needs stages and the torch backend (flashinfer plans a round's attention whole).")
+        "compares. Over 1 needs stages; on flashinfer (which lays a round out whole) rounds always run in lanes, "
+        "without CUDA graphs.")
     cuda_graphs: bool | None = Field(
         None, description="Capture the decode round as CUDA graphs. Absent: on where they can run (a "
         "CUDA device, a Qwen3 target, one rank); true where they cannot is refused.")

@@ -159,7 +159,7 @@ def test_the_latent_split_runs_on_both_backends(checkpoints):
     assert (gpu.backend, gpu.context_parallel) == ("flashinfer", True)
 
 
-def test_pipeline_stages_need_a_layer_each_run_uncompiled_and_micro_batch_on_torch(checkpoints):
+def test_pipeline_stages_need_a_layer_each_run_uncompiled_and_run_lanes_eagerly_on_flashinfer(checkpoints):
     (checkpoints / "two_layers").mkdir()
     (checkpoints / "two_layers" / "config.json").write_text(json.dumps(
         {"architectures": ["Qwen3ForCausalLM"], "head_dim": 128, "num_hidden_layers": 2}))
@@ -171,6 +171,10 @@ def test_pipeline_stages_need_a_layer_each_run_uncompiled_and_micro_batch_on_tor
     assert resolve_engine(job(checkpoints, pp=2, micro_batches=2), **CPU).backend == "torch"
     with pytest.raises(JobError, match="micro_batches 2: there are no pipeline stages to keep busy"):
         resolve_engine(job(checkpoints, micro_batches=2), **CPU)
-    with pytest.raises(JobError, match="micro_batches 2: flashinfer plans a round's attention whole"):
-        resolve_engine(job(checkpoints, pp=2, micro_batches=2), **GPU)
+    assert resolve_engine(job(checkpoints, pp=2), **GPU).cuda_graphs
+    lanes = resolve_engine(job(checkpoints, pp=2, micro_batches=2), **GPU)  # flashinfer: rounds in lanes, eagerly
+    assert lanes.backend == "flashinfer" and not lanes.cuda_graphs
+    with pytest.raises(JobError, match="cuda_graphs: true cannot take effect: engine.micro_batches 2 on flashinfer "
+                                       "runs rounds in lanes, eagerly"):
+        resolve_engine(job(checkpoints, pp=2, micro_batches=2, cuda_graphs=True), **GPU)
     assert resolve_engine(job(checkpoints, pp=2, micro_batches=2, backend="torch"), **GPU).backend == "torch"

@@ -91,6 +91,21 @@ def test_kimi_k3_over_two_stages_decodes_what_one_process_does(tmp_path, stream,
 
 @pytest.mark.numerics
 @pytest.mark.no_rerun
+def test_two_stages_on_flashinfer_run_lanes_that_decode_what_one_process_does(tmp_path):
+    # flashinfer's MLA wrapper (emulated: tests/fake_flashinfer.py) lays a round out whole, so the
+    # rounds run in two lanes (each planned as its own round, its rows' ring pages those of its
+    # batch rows) and a prefill step's prompts in two groups (each planned as its own forward):
+    # against one process on the torch backend. A window of 10 (flashinfer's latent path wants one
+    # no shorter than the block); the wrapper's log-sum-exps are float32: logprobs to 1e-6.
+    target, drafter = make_kimi_pair(tmp_path / "pair", stream="attn_res", moe_intermediate_size=64, window=10)
+    prompts = random_prompts([1, 37, 20], vocab=VOCAB, seed=6)
+    engine_tp_worker.assert_tp2_equals_tp1(str(target), str(drafter), prompts, RUNS, str(tmp_path), free_port(),
+                                           ranks=2, stages=2, held=[range(0, 4), range(4, 8)], micro_batches=2,
+                                           backend="flashinfer", logprob_atol=1e-6)
+
+
+@pytest.mark.numerics
+@pytest.mark.no_rerun
 @pytest.mark.slow
 def test_two_stages_of_two_ranks_split_the_latents_and_share_a_head(tmp_path):
     # PP2 x TP2: each stage's two ranks hold half of every layer's heads and keep every other

@@ -137,6 +137,7 @@ class _Entry:
 
 class FlashInferAttention:
     name = "flashinfer"
+    splits_rounds = False  # plan_round lays a round out whole
 
     def __init__(self, device: torch.device | str, latent_rings: bool = True, workspace_bytes: int = 256 << 20,
                  split: LatentSplit | None = None):
@@ -186,7 +187,8 @@ class FlashInferAttention:
             pad = [block] * (n - len(lens))
             scratch = [batch.scratch_page] * -(-block // ps)
             tables = [batch.host_tables[r] or scratch for r in range(len(lens))] + [scratch] * len(pad)
-            rows = [r if batch.host_tables[r] else None for r in range(len(lens))] + [None] * len(pad)
+            # the batch row of each (a lane's rows start at its first: engine/lanes.py)
+            rows = [batch.first_row + r if batch.host_tables[r] else None for r in range(len(lens))] + [None] * len(pad)
             self._set(name, _Layout([block] * n, lens + pad, tables, rows, ps, self._next()), n if graph else None)
             # plan fills each wrapper's pinned host buffer and copies it to the device
             # asynchronously; the previous round's read-back has synchronised, so that copy of

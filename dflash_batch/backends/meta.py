@@ -30,6 +30,9 @@ class AttentionBackend(Protocol):
 
     name: str
     split: LatentSplit | None  # whose rows of the MLA latent caches this rank keeps (None: all of them)
+    # Whether a round's forwards may go through pipeline stages in groups of sequences (a backend
+    # that plans a round on the host plans it whole; its rounds run in lanes instead, engine/lanes.py).
+    splits_rounds: bool
 
     def reads_rings(self, latent: bool) -> bool:
         """Whether a drafter's sliding layers may keep ring caches (AttnMeta.ring_view) here:

@@ -109,6 +109,7 @@ class TorchAttention:
     """`split`: the MLA latent caches are split across the ranks by token (latent_split.py)."""
 
     name = "torch"
+    splits_rounds = True
 
     def __init__(self, split: LatentSplit | None = None):
         self.split = split

@@ -29,7 +29,7 @@ from dflash_batch.engine.lanes import run_lanes
 from dflash_batch.engine.heads import HeadPool, plan_heads, pool_bound
 from dflash_batch.engine.queue import Queue
 from dflash_batch.engine.request import Completion, Logprobs, Request
-from dflash_batch.engine.round import Round
+from dflash_batch.engine.round import Round, round_kv_lens
 from dflash_batch.engine.schedule import NOWHERE, Schedule
 from dflash_batch.engine.sampling import (add_bias_, choose_tokens, hold_stops_, log_probs, mask_disallowed_,
                                           penalize_)
@@ -248,11 +248,13 @@ class Engine:
     def _lanes_fit(self, q: Queue, graphs: RoundGraphs | None, size: int, width: int,
                    pays: CompileWhenItPays | None) -> bool:
         """Whether this step's rounds run in interleaved pipeline lanes (engine/lanes.py): under
-        stages with micro-batches, unless a round is captured, a row follows a grammar, the
-        compile policy is timing rounds, or requests restart one at a time after a failure."""
+        stages with micro-batches, unless a round is captured (and the backend lets a captured
+        round go through the stages in groups), a row follows a grammar, the compile policy is
+        timing rounds, or requests restart one at a time after a failure."""
         constrained = any(s is not None and s.matcher is not None for s in q.running)
+        captured = graphs is not None and graphs.covers(size, width) and self.attention.splits_rounds
         return (self.micro_batches > 1 and parallel.stage()[1] > 1 and pays is None and not q.suspects
-                and not constrained and not (graphs is not None and graphs.covers(size, width)))
+                and not constrained and not captured)
 
     def _decided(self, bucket: Bucket, step: Round, models: list[torch.nn.Module], compile: bool, why: str) -> None:
         self.log(f"bucket {bucket.name}: {'compiling the round' if compile else 'rounds run uncompiled'}: {why}")
@@ -649,13 +651,8 @@ class Engine:
         greedy = all(s.plain_greedy for s in running[:n] if s is not None)
         constrained = any(s is not None and s.matcher is not None for s in running[:n])
         positions = [s.position if s is not None else 0 for s in running[:n]]
-        # Key lengths for backends that plan on the host (round.py's prepare computes the same
-        # on the device); a row without a sequence is padding.
-        budgets = [s.params.max_new_tokens - len(s.tokens) if s is not None else 0 for s in running[:n]]
-        kv_lens = {"verify": [p + width for p in positions],
-                   "draft": [p + min(block, b + 1) for p, b in zip(positions, budgets)]}
         captured = graphs is not None and graphs.covers(size, width) and not constrained
-        self.attention.plan_round(batch, size, kv_lens, captured, {"verify": width})
+        self.attention.plan_round(batch, size, round_kv_lens(running[:n], block, width), captured, {"verify": width})
         if captured:
             graphs.replay(size, greedy, width)
         elif constrained:  # eager, in two halves: the grammars read the drafts in between

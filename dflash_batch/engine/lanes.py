@@ -20,7 +20,8 @@ done, or once enough rows are free for waiting requests (LANES_REFILL). The engi
 prefills them with the pipe drained and starts the lanes again. A lane's round is the round of its
 rows: rows are independent in a round (engine/round.py), so the tokens are those of whole rounds.
 
-Lanes run rounds eagerly and whole through the stages. The engine keeps whole rounds (the stages
+Lanes run rounds eagerly and whole through the stages (a backend that plans on the host plans
+each lane's forwards as a round of their own). The engine keeps whole rounds (the stages
 taking a round's micro-batches in turn) where a round is captured as a graph, a row follows a
 grammar (its masks are written on the host between draft and verify), the compile policy times
 rounds, or requests restart one at a time after a failure (Engine._lanes_fit). A failure inside
@@ -39,7 +40,7 @@ from dflash_batch import parallel
 from dflash_batch.engine.batch import DecodeBatch
 from dflash_batch.engine.emitted import take_round
 from dflash_batch.engine.queue import Queue
-from dflash_batch.engine.round import Round
+from dflash_batch.engine.round import Round, round_kv_lens
 from dflash_batch.engine.sequence import Sequence
 
 # Lanes stop for new requests once this share of the bucket's rows is free (at least one row):
@@ -99,7 +100,12 @@ def run_lanes(q: Queue, batch: DecodeBatch, step: Round, size: int, lanes: int, 
         stopping = stopping or (len(q.free_rows) >= refill and q.room())
         return not stopping and any(lane.running(q))
 
+    def plan(lane: Lane) -> None:  # a backend that plans on the host (flashinfer) lays out the lane's forwards
+        step.attention.plan_round(lane.batch, lane.batch.rows, round_kv_lens(lane.running(q), block, width), False,
+                                  {"verify": width})
+
     def draft(lane: Lane) -> None:  # the last stage: the lane's next drafts, posted
+        plan(lane)
         lane.drafted = step.draft(lane.batch, lane.batch.rows, max_kv(lane), width, lane=True)
         works.extend(parallel.post_to_stages(lane.batch.ids))
 
@@ -110,6 +116,7 @@ def run_lanes(q: Queue, batch: DecodeBatch, step: Round, size: int, lanes: int, 
         for lane in list(live):
             b, n = lane.batch, lane.batch.rows
             if last:
+                plan(lane)  # the layout its drafts were made with, which the verify reads
                 accepted = step.check(b, n, greedy, lane.drafted)
                 works.extend(parallel.post_to_stages(*step.decided(b, n, accepted)))
                 step.settle(b, n, accepted)
@@ -127,6 +134,7 @@ def run_lanes(q: Queue, batch: DecodeBatch, step: Round, size: int, lanes: int, 
                     live.remove(lane)
                     continue
             parallel.recv_from_last_stage(b.ids)
+            plan(lane)
             step.check(b, n, greedy, step.draft(b, n, max_kv(lane), width, lane=True))
             lane.rounds += 1
     for work in works:

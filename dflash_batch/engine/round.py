@@ -51,6 +51,15 @@ from dflash_batch.engine.choice import choose_verified
 ERROR = 3  # a finished code beside kernels.accept's STOP and LENGTH: the logits were not finite
 
 
+def round_kv_lens(running: list, block: int, width: int) -> dict[str, list[int]]:
+    """Each row's key lengths in a round's draft and verify, for backends that plan on the host
+    (prepare computes the same on the device); a row without a sequence is padding."""
+    positions = [s.position if s is not None else 0 for s in running]
+    budgets = [s.params.max_new_tokens - len(s.tokens) if s is not None else 0 for s in running]
+    return {"verify": [p + width for p in positions],
+            "draft": [p + min(block, b + 1) for p, b in zip(positions, budgets)]}
+
+
 class Round:
     """`compile`: run the round through torch.compile (inductor fuses it into C++ loops on the
     CPU, ~1.7x there); batch sizes and key lengths are symbolic, so one compilation serves every
@@ -92,7 +101,7 @@ class Round:
         lane's round (engine/lanes.py): the drafts stay on the last stage, which posts them
         itself, and the verify goes through the stages whole."""
         B, b, W = self.block, batch, width or self.block
-        groups = 1 if lane else self.micro_batches
+        groups = self.micro_batches if not lane and self.attention.splits_rounds else 1
         ids = b.ids[:n]
         draft_ids, positions, slots, draft_kv, verify_kv = self.ops.prepare(
             ids, b.pos[:n], b.budget[:n], b.tables[:n], self.page_size, self.mask_id)

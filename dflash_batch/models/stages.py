@@ -80,8 +80,10 @@ def staged_forward(model, input_ids: torch.Tensor, meta) -> tuple[torch.Tensor |
     goes through a group at a time: a stage runs group m while the next runs m - 1."""
     held = model.held
     last = held.stop == model.num_layers
-    carries = []
-    for rows, part in micro_batches(meta):
+    carries, groups = [], micro_batches(meta)
+    for rows, part in groups:
+        if len(groups) > 1:  # a backend that plans on the host plans each group (a prefill step's)
+            part.backend.plan(part)
         if held.start == 0:
             carry = model.embed(input_ids[rows])
         else:
