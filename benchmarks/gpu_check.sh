@@ -52,7 +52,7 @@ add preflight 30 first "a GPU, CUDA_HOME with nvcc, libcudart; Triton's build, b
   "$PY benchmarks/gpu_preflight.py ${PREFLIGHT_ARGS:-}; rc=\$?; $PY benchmarks/prebuild_flashinfer.py check && exit \$rc"
 add "&kimi_checkpoints" 200 first "the Kimi-K3 pair's checkpoints written (beside the tests)" \
   "$PY benchmarks/kimi_gpu_check.py --dir /tmp/kimi_pair --make-only"
-add torch_qwen 50 first "Qwen3 pair, torch backend: GPU tokens == CPU tokens; graphs == eager, greedy and sampled (TP2 and PP2 over NCCL too where there are two GPUs)" \
+add torch_qwen 50 first "Qwen3 pair, torch backend: GPU tokens == CPU tokens; graphs == eager, greedy and sampled (TP2 and PP2 over NCCL too where there are two GPUs, PP2 captured and in two lanes)" \
   "$GPU_TEST -k 'torch_backend or tp2 or pp2'"
 add torch_kimi 90 first "Kimi-K3 pair (fla KDA, Triton MoE and AttnRes): fla chunked == fp64 within the TF32 bound; GPU == CPU tokens; graphs == eager; spec greedy == target greedy under graphs" \
   "$GPU_TEST -k 'kimi or kda'"

@@ -134,14 +134,17 @@ def from_last_stage(*tensors: torch.Tensor) -> None:
 def post_to_stages(*tensors: torch.Tensor) -> list:
     """The last stage: send copies of `tensors` to this rank's peer on every earlier stage, in
     order, without waiting for them to be received (pipeline lanes, engine/lanes.py). Returns
-    what to wait on before the run goes on to anything else."""
+    what to wait on before the run goes on to anything else. They go over the peers' group, the
+    hand-offs over the whole run's: under NCCL each group has its own communicator and stream, so
+    a post waiting to be received never holds up a hand-off the other way."""
     index, count = stage()
     works = []
     for t in tensors:
         _add("from_last_stage", t)
         if _planned is None:
             sent = t.contiguous().clone()
-            works += [dist.isend(sent, s * _stages.size + dist.get_rank() % _stages.size) for s in range(count - 1)]
+            works += [dist.isend(sent, s * _stages.size + dist.get_rank() % _stages.size, group=_stages.peers)
+                      for s in range(count - 1)]
     return works
 
 
@@ -151,7 +154,7 @@ def recv_from_last_stage(*tensors: torch.Tensor) -> None:
     index, count = stage()
     if _planned is None:
         for t in tensors:
-            dist.recv(t, (count - 1) * _stages.size + dist.get_rank() % _stages.size)
+            dist.recv(t, (count - 1) * _stages.size + dist.get_rank() % _stages.size, group=_stages.peers)
 
 
 @contextmanager

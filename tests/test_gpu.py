@@ -330,9 +330,12 @@ def test_tp2_nccl_matches_tp1(pair, tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_pp2_nccl_matches_tp1(pair, tmp_path):
-    """The Qwen3 pair as two pipeline stages of one GPU each over NCCL, rounds captured as CUDA
-    graphs (the hand-off, the drafts and the results sent inside them) == one GPU eager."""
+@pytest.mark.parametrize("graphs, lanes", [(True, 1), (False, 2)], ids=["captured rounds", "2 lanes"])
+def test_pp2_nccl_matches_tp1(pair, tmp_path, graphs, lanes):
+    """The Qwen3 pair as two pipeline stages of one GPU each over NCCL == one GPU eager: rounds
+    captured as CUDA graphs (the hand-off, the drafts and the results sent inside them), or in two
+    interleaved lanes (engine/lanes.py: the last stage's posts over the peers' communicator while
+    hand-offs go the other way over the run's)."""
     import socket
 
     from tests import engine_tp_worker
@@ -342,4 +345,4 @@ def test_pp2_nccl_matches_tp1(pair, tmp_path):
         port = s.getsockname()[1]
     runs = {"greedy": dict(max_new_tokens=24), "sampled": dict(max_new_tokens=24, temperature=1.0, top_p=0.95)}
     engine_tp_worker.assert_tp2_equals_tp1(str(pair[0]), str(pair[1]), prompts(6), runs, str(tmp_path), port,
-                                           graphs=True, device="cuda", stages=2)
+                                           graphs=graphs, device="cuda", stages=2, micro_batches=lanes)
