@@ -37,7 +37,8 @@ from tests.test_tp import free_port
 
 RUNS = {
     "greedy": dict(max_new_tokens=24),
-    "sampled": dict(max_new_tokens=24, temperature=1.0, top_p=0.95),
+    # penalties read each row's counts of what it emitted (kept on the last stage, lane by lane)
+    "sampled": dict(max_new_tokens=24, temperature=1.0, top_p=0.95, repetition_penalty=1.3, presence_penalty=0.5),
     "logprobs": dict(max_new_tokens=12, temperature=0.8, top_k=5, logprobs=2),
 }
 
@@ -61,15 +62,17 @@ def test_two_stages_decode_what_one_process_does(tmp_path, speculation, graphs, 
 
 
 @pytest.mark.no_rerun
-def test_two_stages_on_auto_follow_rank_0s_plan(tmp_path):
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_two_stages_on_auto_follow_rank_0s_plan(tmp_path, lanes):
     """speculation: auto over two stages whose round costs disagree (rank 0's flat, rank 1's
-    rising with every draft): both verify what rank 0 plans and decode what one process does."""
+    rising with every draft): both verify what rank 0 plans and decode what one process does,
+    whole rounds or in two lanes (a stretch of lanes verifies the drafts planned at its start)."""
     target, drafter = make_target(tmp_path / "target", num_hidden_layers=3), tmp_path / "drafter"
     make_drafter(drafter, 2, block_size=8)
     prompts = random_prompts([1, 37, 120], seed=6)
     costs = [[1.0] * 8, [1.0] + [100.0] * 7]
     engine_tp_worker.assert_auto_ranks_agree(str(target), str(drafter), prompts, str(tmp_path), free_port(), costs,
-                                             stages=2)
+                                             stages=2, micro_batches=lanes)
 
 
 @pytest.mark.numerics

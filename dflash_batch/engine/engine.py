@@ -25,7 +25,7 @@ from dflash_batch.engine.cache import NO_RINGS, RowRings, SeqRows, build_meta, r
 from dflash_batch.engine.compile_policy import CompileWhenItPays
 from dflash_batch.engine.emitted import take_round
 from dflash_batch.engine.graphs import RoundGraphs
-from dflash_batch.engine.lanes import run_lanes
+from dflash_batch.engine.lanes import LANES_REPLAN, run_lanes
 from dflash_batch.engine.heads import HeadPool, plan_heads, pool_bound
 from dflash_batch.engine.queue import Queue
 from dflash_batch.engine.request import Completion, Logprobs, Request
@@ -207,7 +207,8 @@ class Engine:
                         emitted = sum(len(s.tokens) for s in involved) if pays is not None else 0
                         if laned := self._lanes_fit(q, graphs, size, k + 1, pays):
                             ran = run_lanes(q, batch, step, size, self.micro_batches, k + 1,
-                                            all(s.plain_greedy for s in involved), self.decode)
+                                            all(s.plain_greedy for s in involved), self.decode,
+                                            LANES_REPLAN if schedule is not None and schedule.pinned is None else None)
                             ended, finished = ran.ended, []
                             if schedule is not None:  # a round of every lane counts as the batch's round
                                 for accepted in ran.accepted:

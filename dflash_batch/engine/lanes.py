@@ -16,7 +16,8 @@ tokens, then verifies the drafts.
 
 Every rank keeps every lane's sequences the same way, in the same order (lane m's round r after
 lane m - 1's), so each knows without asking whether a lane goes on: it stops when its rows are
-done, or once enough rows are free for waiting requests (LANES_REFILL). The engine then admits and
+done, once enough rows are free for waiting requests (LANES_REFILL), or (speculation: auto) after
+LANES_REPLAN rounds, when the ranks agree anew on the drafts to verify. The engine then admits and
 prefills them with the pipe drained and starts the lanes again. A lane's round is the round of its
 rows: rows are independent in a round (engine/round.py), so the tokens are those of whole rounds.
 
@@ -46,6 +47,9 @@ from dflash_batch.engine.sequence import Sequence
 # Lanes stop for new requests once this share of the bucket's rows is free (at least one row):
 # admitting a request drains the pipe for its prefill, so requests are admitted a few at a time.
 LANES_REFILL = 1 / 16
+# Under speculation: auto, lanes stop after this many rounds each, so that the ranks agree on the
+# drafts to verify again (engine/schedule.py: the plan follows the acceptance measured so far).
+LANES_REPLAN = 8
 
 
 @dataclass
@@ -71,9 +75,10 @@ class LanesRun:
 
 
 def run_lanes(q: Queue, batch: DecodeBatch, step: Round, size: int, lanes: int, width: int, greedy: bool,
-              decode: Callable[[list[int]], str]) -> LanesRun:
+              decode: Callable[[list[int]], str], rounds: int | None = None) -> LanesRun:
     """Decode the running rows 0..size-1 in `lanes` lanes, `width` rows verified a sequence, until
-    the lanes stop (see the module); `greedy`: every row is plain greedy; `decode`: for stop strings."""
+    the lanes stop (see the module), or after `rounds` rounds each; `greedy`: every row is plain
+    greedy; `decode`: for stop strings."""
     started = time.perf_counter()
     bounds = [size * i // lanes for i in range(lanes + 1)]
     live = [Lane(a, batch.lane(a, b)) for a, b in zip(bounds, bounds[1:]) if a < b]
@@ -98,7 +103,7 @@ def run_lanes(q: Queue, batch: DecodeBatch, step: Round, size: int, lanes: int, 
                 q.release(seq, batch)
                 record.ended.append(seq)
         stopping = stopping or (len(q.free_rows) >= refill and q.room())
-        return not stopping and any(lane.running(q))
+        return not stopping and lane.rounds != rounds and any(lane.running(q))
 
     def plan(lane: Lane) -> None:  # a backend that plans on the host (flashinfer) lays out the lane's forwards
         step.attention.plan_round(lane.batch, lane.batch.rows, round_kv_lens(lane.running(q), block, width), False,
