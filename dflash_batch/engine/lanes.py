@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -58,6 +58,15 @@ class Lane:
     batch: DecodeBatch        # its rows, as a batch of their own
     drafted: tuple = ()       # the last stage's: what the lane's next verify reads (Round.draft)
     rounds: int = 0           # rounds of it this rank has verified
+    posted: list = field(default_factory=list)  # the last stage's sends of the lane in flight
+
+    def settled(self) -> None:
+        """Wait until what the last stage posted of this lane has been received: at the next
+        round's decision it has been (the earlier stages took it before they verified that
+        round), so this costs nothing there and keeps a lane's copies in flight to one round's."""
+        for work in self.posted:
+            work.wait()
+        self.posted.clear()
 
     def running(self, q: Queue) -> list[Sequence | None]:
         return q.running[self.start:self.start + self.batch.rows]
@@ -85,8 +94,8 @@ def run_lanes(q: Queue, batch: DecodeBatch, step: Round, size: int, lanes: int, 
     live = [lane for lane in live if any(lane.running(q))]
     refill = max(1, int(len(q.running) * LANES_REFILL))
     record = LanesRun([], [], 0.0)
-    stopping = False  # set once, in the same round on every rank: enough rows are free
-    last, block, works = parallel.last_stage(), step.block, []
+    stopping = False  # set once enough rows are free, at the same lane's round on every rank
+    last, block = parallel.last_stage(), step.block
 
     def max_kv(lane: Lane) -> int:
         return max(s.position for s in lane.running(q) if s is not None) + block
@@ -112,8 +121,9 @@ def run_lanes(q: Queue, batch: DecodeBatch, step: Round, size: int, lanes: int, 
     def draft(lane: Lane) -> None:  # the last stage: the lane's next drafts, posted
         plan(lane)
         lane.drafted = step.draft(lane.batch, lane.batch.rows, max_kv(lane), width, lane=True)
-        works.extend(parallel.post_to_stages(lane.batch.ids))
+        lane.posted += parallel.post_to_stages(lane.batch.ids)
 
+    stretch = list(live)  # every lane of this stretch (`live`: those still running rounds)
     if last:
         for lane in live:
             draft(lane)
@@ -123,7 +133,8 @@ def run_lanes(q: Queue, batch: DecodeBatch, step: Round, size: int, lanes: int, 
             if last:
                 plan(lane)  # the layout its drafts were made with, which the verify reads
                 accepted = step.check(b, n, greedy, lane.drafted)
-                works.extend(parallel.post_to_stages(*step.decided(b, n, accepted)))
+                lane.settled()
+                lane.posted += parallel.post_to_stages(*step.decided(b, n, accepted))
                 step.settle(b, n, accepted)
                 lane.rounds += 1
                 if goes_on(lane):
@@ -142,7 +153,7 @@ def run_lanes(q: Queue, batch: DecodeBatch, step: Round, size: int, lanes: int, 
             plan(lane)
             step.check(b, n, greedy, step.draft(b, n, max_kv(lane), width, lane=True))
             lane.rounds += 1
-    for work in works:
-        work.wait()
+    for lane in stretch:
+        lane.settled()
     record.seconds = time.perf_counter() - started
     return record
