@@ -5,6 +5,7 @@ sum partial products in another order than one process does."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import random
@@ -121,6 +122,40 @@ def test_two_stages_of_two_ranks_split_the_latents_and_share_a_head(tmp_path):
     engine_tp_worker.assert_tp2_equals_tp1(str(target), str(drafter), prompts, runs, str(tmp_path), free_port(),
                                            ranks=4, stages=2, latent_split=True, cached=[0, 70, 70],
                                            held=[range(0, 4), range(4, 8)], logprob_atol=1e-9, micro_batches=2)
+
+
+@pytest.mark.parametrize("groups, bounds", [(2, [0, 38, 163]), (3, [0, 38, 158, 163]), (4, [0, 1, 38, 158, 163])])
+def test_a_prefill_step_splits_into_groups_of_whole_prompts_nearest_their_share(groups, bounds):
+    # chunks of 1, 37, 120 and 5 rows (163): two groups end at the prompt boundary nearest 81.5
+    # (38, not 158), three nearest 54.3 and 108.7 (38, then 158: the next must leave a prompt for
+    # the last group), four take a prompt each
+    from dflash_batch.engine.cache import SeqRows, build_meta
+    from dflash_batch.models.stages import micro_batches
+
+    counts = [1, 37, 120, 5]
+    rows = [SeqRows(list(range(10 * i, 10 * i + 9)), 3, c, 3 + c) for i, c in enumerate(counts)]
+    meta = build_meta(rows, 16, state_ids=[7, 8, 9, 6], batch_rows=[3, 2, 1, 0], micro_batches=groups)
+    with parallel.planned(1, at_stage=(0, 2)):
+        parts = micro_batches(meta)
+    assert [(r.start, r.stop) for r, _ in parts] == list(zip(bounds, bounds[1:]))
+    first, firsts = 0, []
+    for rows_of, part in parts:
+        firsts.append(first)
+        n = part.q_index.shape[0]
+        assert part.num_rows == rows_of.stop - rows_of.start and part.first_seq == first
+        assert torch.equal(part.positions, meta.positions[rows_of])
+        assert part.state_ids.tolist() == [7, 8, 9, 6][first:first + n]
+        assert part.rows.tolist() == [3, 2, 1, 0][first:first + n]
+        for b, count in enumerate(counts[first:first + n]):  # a prompt's queries, then padding past the rows
+            start = sum(counts[first:first + b])
+            assert part.q_index[b].tolist() == list(range(start, start + count)) + [part.num_rows] * (
+                part.q_index.shape[1] - count)
+        first += n
+    with parallel.planned(1, at_stage=(0, 2)):  # a forward whose first sequence sits at row 5 of its round
+        assert [part.first_seq for _, part in micro_batches(dataclasses.replace(meta, first_seq=5))] == \
+               [5 + f for f in firsts]
+    with parallel.planned(1, at_stage=(0, 1)):  # no stages: the forward whole
+        assert micro_batches(meta) == [(slice(None), meta)]
 
 
 def test_balanced_spans_are_the_best_contiguous_split():
