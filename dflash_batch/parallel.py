@@ -121,14 +121,13 @@ def recv_prev(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device |
 def from_last_stage(*tensors: torch.Tensor) -> None:
     """Every stage's copies of `tensors` take the last stage's values (in place; contiguous
     tensors of one shape on every stage). Nothing to do without stages."""
-    index, count = stage()
+    count = stage()[1]
     if count == 1:
         return
     for t in tensors:
         _add("from_last_stage", t)
         if _planned is None:
-            last = (count - 1) * _stages.size + dist.get_rank() % _stages.size
-            dist.broadcast(t, last, group=_stages.peers)
+            dist.broadcast(t, _peer(count - 1), group=_stages.peers)
 
 
 def post_to_stages(*tensors: torch.Tensor) -> list:
@@ -137,24 +136,26 @@ def post_to_stages(*tensors: torch.Tensor) -> list:
     what to wait on before the run goes on to anything else. They go over the peers' group, the
     hand-offs over the whole run's: under NCCL each group has its own communicator and stream, so
     a post waiting to be received never holds up a hand-off the other way."""
-    index, count = stage()
     works = []
     for t in tensors:
         _add("from_last_stage", t)
         if _planned is None:
             sent = t.contiguous().clone()
-            works += [dist.isend(sent, s * _stages.size + dist.get_rank() % _stages.size, group=_stages.peers)
-                      for s in range(count - 1)]
+            works += [dist.isend(sent, _peer(s), group=_stages.peers) for s in range(stage()[1] - 1)]
     return works
 
 
 def recv_from_last_stage(*tensors: torch.Tensor) -> None:
     """A stage before the last: `tensors` (contiguous) take, in place and in order, what this
     rank's peer on the last stage posted (post_to_stages)."""
-    index, count = stage()
     if _planned is None:
         for t in tensors:
-            dist.recv(t, (count - 1) * _stages.size + dist.get_rank() % _stages.size, group=_stages.peers)
+            dist.recv(t, _peer(stage()[1] - 1), group=_stages.peers)
+
+
+def _peer(index: int) -> int:
+    """The global rank of this rank's peer (the same place in its stage) on stage `index`."""
+    return index * _stages.size + dist.get_rank() % _stages.size
 
 
 @contextmanager

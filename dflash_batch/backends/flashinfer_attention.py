@@ -186,9 +186,9 @@ class FlashInferAttention:
             block = (widths or {}).get(name, batch.block)  # query rows a sequence has in this forward
             pad = [block] * (n - len(lens))
             scratch = [batch.scratch_page] * -(-block // ps)
-            tables = [batch.host_tables[r] or scratch for r in range(len(lens))] + [scratch] * len(pad)
+            tables = [batch.host_pages(r) or scratch for r in range(len(lens))] + [scratch] * len(pad)
             # the batch row of each (a lane's rows start at its first: engine/lanes.py)
-            rows = [batch.first_row + r if batch.host_tables[r] else None for r in range(len(lens))] + [None] * len(pad)
+            rows = [batch.first_row + r if batch.host_pages(r) else None for r in range(len(lens))] + [None] * len(pad)
             self._set(name, _Layout([block] * n, lens + pad, tables, rows, ps, self._next()), n if graph else None)
             # plan fills each wrapper's pinned host buffer and copies it to the device
             # asynchronously; the previous round's read-back has synchronised, so that copy of

@@ -46,7 +46,8 @@ class DecodeBatch:
         self.head_pages, self.static = head_pages, static
         self.num_slots = (self.scratch_page + 1 + head_pages) * page_size  # the rows' pages, scratch, heads
         self.shared_rows: set[int] = set()  # rows whose sequence reads a shared head's pages
-        # What backends that plan on the host read: each row's pages.
+        # What backends that plan on the host read: each batch row's pages (host_pages). A lane
+        # shares its batch's list, so that a row cleared in the batch is cleared in the lane.
         self.host_tables: list[list[int]] = [[] for _ in range(rows)]
         self.ids = full((rows, block), 0)             # [anchor, d_1..d_{B-1}] of the next verify
         self.pos = full((rows,), 0)                   # anchor position
@@ -153,6 +154,10 @@ class DecodeBatch:
         slots are the b-th: not so in a lane past the first row)."""
         return self.first_row == 0 and (not self.head_pages or not (self.static or self.shared_rows))
 
+    def host_pages(self, row: int) -> list[int]:
+        """The pages of this batch's row `row` (none: padding), as the host keeps them."""
+        return self.host_tables[self.first_row + row]
+
     def lane(self, a: int, b: int) -> DecodeBatch:
         """Rows a..b-1 as a batch of their own, every per-row tensor a view of this batch's (a
         pipeline lane, engine/lanes.py): a round of it is the round of those rows."""
@@ -163,7 +168,7 @@ class DecodeBatch:
         for name in ("grammar_bits", "allowed_bits"):  # a row per verify row
             if (t := getattr(self, name)) is not None:
                 setattr(view, name, t[a * self.block:b * self.block])
-        view.rows, view.first_row, view.host_tables = b - a, self.first_row + a, self.host_tables[a:b]
+        view.rows, view.first_row = b - a, self.first_row + a
         view.q_index = torch.arange((b - a) * self.block, device=self.device).view(b - a, self.block)
         return view
 

@@ -210,24 +210,20 @@ class Engine:
                                             all(s.plain_greedy for s in involved), self.decode,
                                             LANES_REPLAN if schedule is not None and schedule.pinned is None else None)
                             ended, finished = ran.ended, []
-                            if schedule is not None:  # a round of every lane counts as the batch's round
-                                for accepted in ran.accepted:
-                                    schedule.record(size, k, ran.seconds / len(ran.accepted),
-                                                    [a for a, seq in accepted if not seq.finish_reason])
-                                if schedule.pinned is None:
-                                    switch = schedule.why_stop(plan == NOWHERE)
+                            # a round of every lane counts as a round of the batch
+                            rounds = [(ran.seconds / len(ran.accepted), accepted) for accepted in ran.accepted]
                         else:
                             accepted = self._round(batch, q.running, step, graphs, block, k + 1)
                             finished = [s for s in involved if s.finish_reason]
+                            rounds = [(time.perf_counter() - started, accepted)]
                         if pays is not None:
                             pays.record(time.perf_counter() - started, sum(len(s.tokens) for s in involved) - emitted)
                             if (verdict := pays.verdict()) is not None:
                                 self._decided(bucket, step, models, *verdict)
                                 pays = None
-                        if schedule is not None and not laned:
-                            # A round cut by its sequence's end measures no acceptance.
-                            schedule.record(size, k, time.perf_counter() - started,
-                                            [a for a, seq in accepted if not seq.finish_reason])
+                        if schedule is not None:
+                            for seconds, accepted in rounds:  # a round cut by its sequence's end measures no acceptance
+                                schedule.record(size, k, seconds, [a for a, seq in accepted if not seq.finish_reason])
                             if schedule.pinned is None:
                                 switch = schedule.why_stop(plan == NOWHERE)
                 except Exception as error:  # noqa: BLE001 - any failure: decide what it costs

@@ -43,6 +43,7 @@ from dflash_batch.engine.emitted import take_round
 from dflash_batch.engine.queue import Queue
 from dflash_batch.engine.round import Round, round_kv_lens
 from dflash_batch.engine.sequence import Sequence
+from dflash_batch.models.stages import even_bounds
 
 # Lanes stop for new requests once this share of the bucket's rows is free (at least one row):
 # admitting a request drains the pipe for its prefill, so requests are admitted a few at a time.
@@ -54,7 +55,6 @@ LANES_REPLAN = 8
 
 @dataclass
 class Lane:
-    start: int                # its first batch row
     batch: DecodeBatch        # its rows, as a batch of their own
     drafted: tuple = ()       # the last stage's: what the lane's next verify reads (Round.draft)
     rounds: int = 0           # rounds of it this rank has verified
@@ -69,7 +69,7 @@ class Lane:
         self.posted.clear()
 
     def running(self, q: Queue) -> list[Sequence | None]:
-        return q.running[self.start:self.start + self.batch.rows]
+        return q.running[self.batch.first_row:self.batch.first_row + self.batch.rows]
 
 
 @dataclass
@@ -89,8 +89,8 @@ def run_lanes(q: Queue, batch: DecodeBatch, step: Round, size: int, lanes: int, 
     the lanes stop (see the module), or after `rounds` rounds each; `greedy`: every row is plain
     greedy; `decode`: for stop strings."""
     started = time.perf_counter()
-    bounds = [size * i // lanes for i in range(lanes + 1)]
-    live = [Lane(a, batch.lane(a, b)) for a, b in zip(bounds, bounds[1:]) if a < b]
+    bounds = even_bounds(size, lanes)
+    live = [Lane(batch.lane(a, b)) for a, b in zip(bounds, bounds[1:]) if a < b]
     live = [lane for lane in live if any(lane.running(q))]
     refill = max(1, int(len(q.running) * LANES_REFILL))
     record = LanesRun([], [], 0.0)

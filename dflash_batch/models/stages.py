@@ -109,7 +109,7 @@ def micro_batches(meta) -> list[tuple[slice, object]]:
         return [(slice(None), meta)]
     if meta.dense:
         starts = [i * meta.q_index.shape[1] for i in range(n + 1)]  # sequence i's first row
-        bounds = [n * g // groups for g in range(groups + 1)]
+        bounds = even_bounds(n, groups)
     else:  # a prefill's chunks: each group ends at the sequence boundary nearest its share of rows
         starts = [0]
         for count in (meta.q_positions >= 0).sum(1).tolist():
@@ -121,6 +121,12 @@ def micro_batches(meta) -> list[tuple[slice, object]]:
         bounds.append(n)
     return [(slice(starts[a], starts[b]), meta.sequences(a, b, slice(starts[a], starts[b])))
             for a, b in zip(bounds, bounds[1:])]
+
+
+def even_bounds(n: int, groups: int) -> list[int]:
+    """The bounds of `groups` contiguous ranges of 0..n-1 as even as they divide (a range may be
+    empty where there are fewer items than groups)."""
+    return [n * g // groups for g in range(groups + 1)]
 
 
 def stage_name(name: str, held: range, num_layers: int, head: tuple[str, ...]) -> str | None:
