@@ -29,14 +29,16 @@ from dflash_batch.plan.buckets import Bucket  # noqa: E402
 from dflash_batch.tokenizer import Tokenizer, stop_token_ids  # noqa: E402
 
 
-def load_demo(models: Path) -> tuple[torch.nn.Module, torch.nn.Module, Tokenizer, tuple[int, ...], list[list[int]]]:
-    """The demo pair (paired), its tokenizer, its stop ids and the demo job's word problems as tokens."""
+def load_demo(models: Path, every_dataset: bool = False
+              ) -> tuple[torch.nn.Module, torch.nn.Module, Tokenizer, tuple[int, ...], list[list[int]]]:
+    """The demo pair (paired), its tokenizer, its stop ids and the demo job's word problems as
+    tokens (`every_dataset`: its few-shot prompts too)."""
     target, drafter = load_model(models / "target"), load_model(models / "drafter")
     attach_drafter(target, drafter)
     tok = Tokenizer(models / "target")
     eos = tuple(stop_token_ids(models / "target", tok))
     rows = [json.loads(line) for line in (ROOT / "jobs/demo/prompts.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if r["dataset"] != "few-shot"]
+    rows = [r for r in rows if every_dataset or r["dataset"] != "few-shot"]
     prompts = tok.encode_batch([tok.render_chat(r["messages"], {}) for r in rows], add_special_tokens=False)
     return target, drafter, tok, eos, prompts
 

@@ -37,6 +37,7 @@ class EngineSetup:
     kernels: str                    # "triton": kernels/' Triton kernels (MoE, AttnRes, ...); "torch": references
     compile_if_it_pays: bool = False  # a bucket of few rounds runs uncompiled (engine.compile absent)
     context_parallel: bool = False  # MLA latents split across the ranks by token (backends/latent_split.py)
+    per_row: bool = True  # auto buckets' rows may verify different numbers of drafts (engine/row_drafts.py)
 
     def describe(self) -> str:
         graphs = f"on, sizes {self.capture_sizes}" if self.cuda_graphs else "off"
@@ -44,7 +45,7 @@ class EngineSetup:
         compiled = ("where it pays" if self.compile_if_it_pays else "on") if self.compile else "off"
         split = " context_parallel=on" if self.context_parallel else ""
         return (f"engine: device={self.device} backend={self.backend}{split} kernels={self.kernels} "
-                f"cuda_graphs={graphs} compile={compiled}{padded}")
+                f"cuda_graphs={graphs} compile={compiled}{padded} per_row_drafts={'on' if self.per_row else 'off'}")
 
 
 @dataclass(frozen=True)
@@ -190,9 +191,17 @@ def resolve_engine(job: Job, cuda: bool | None = None, flashinfer: bool | None =
         if sizes[-1] < largest:
             raise JobError(f"engine.cudagraph_capture_sizes {sizes} must reach every bucket's max_num_seqs "
                            f"(the largest is {largest})")
+    why_no_per_row = (
+        "flashinfer lays a round out on the host before its drafts exist (one number of drafts a round)"
+        if backend == "flashinfer" else
+        "pipeline stages verify one number of drafts a round" if pp > 1 else None)
+    asked = [b.max_tokens for b in job.resolved_buckets() if getattr(b.speculation, "per_row", False)]
+    if asked and why_no_per_row:
+        raise JobError(f"bucket {asked[0]}: speculation {{per_row: true}} cannot take effect: {why_no_per_row} "
+                       "(speculation: auto keeps one number a round here)")
     # engine.context_parallel absent: sizing.fit_job decides it where engine.gpu_memory is set; off here.
     return EngineSetup(device, backend, graphs, compiled, sizes, kernels, compiled and e.compile is None,
-                       bool(e.context_parallel))
+                       bool(e.context_parallel), why_no_per_row is None)
 
 
 def why_no_latent_split(job: Job) -> str | None:
@@ -288,5 +297,6 @@ def build_engine(job: Job, tokenizer: Tokenizer, setup: EngineSetup | None = Non
                   compile=setup.compile, compile_if_it_pays=setup.compile_if_it_pays,
                   share_prompts=job.engine.share_prompts,
                   shared_head_tokens=job.engine.shared_head_tokens, log=say,
-                  auto_speculation=(auto.min_acc_len, auto.rounds), micro_batches=job.engine.micro_batches)
+                  auto_speculation=(auto.min_acc_len, auto.rounds), micro_batches=job.engine.micro_batches,
+                  per_row=setup.per_row)
 

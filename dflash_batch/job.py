@@ -234,15 +234,23 @@ class PinnedDrafts(_Strict):
                         "context kept; the block's drafts at most): the drafter still proposes its whole block.")
 
 
+class AutoDrafts(_Strict):
+    per_row: bool = Field(description="speculation: auto, each row of a round verifying the drafts worth "
+                          "verifying by the drafter's confidence in them and the round's cost (true, auto's "
+                          "default), or every row the same number a round (false).")
+
+
 class BucketSpec(_Strict):
     max_tokens: int = Field(ge=1, le=MAX_CONTEXT, description="Upper edge: prompt + max_new_tokens.")
     max_num_seqs: int | None = Field(None, ge=1, description="Default: engine.max_num_seqs.")
-    speculation: bool | Literal["auto"] | PinnedDrafts = Field(
+    speculation: bool | Literal["auto"] | PinnedDrafts | AutoDrafts = Field(
         True, description="Use the drafter in this bucket (if one is configured), verifying its whole block. "
         "auto: verify, at each batch size, the number of drafts that yields the most tokens per second by "
-        "the round costs timed on this device and the acceptance seen so far; turn the drafter off when "
-        "that is none at any batch size or the acceptance length falls below "
-        "engine.auto_speculation.min_acc_len (needs model.drafter). {drafts: K}: verify K drafts a round.")
+        "the round costs timed on this device and the acceptance seen so far, each row the drafts worth "
+        "verifying by the drafter's confidence in them (on the torch backend, one stage; elsewhere one "
+        "number a round); turn the drafter off when that is none at any batch size or the acceptance length "
+        "falls below engine.auto_speculation.min_acc_len (needs model.drafter). {per_row: false}: auto with "
+        "one number of drafts for every row of a round. {drafts: K}: verify K drafts a round, every row.")
     block_size: int | None = Field(None, ge=2, le=64, description="Verify width (anchor + drafts); "
                                    "default: the drafter's.")
 
@@ -407,7 +415,7 @@ class Job(_Strict):
         if edges and edges[-1] > self.engine.max_model_len:
             raise ValueError(f"the last bucket ({edges[-1]}) exceeds engine.max_model_len "
                              f"({self.engine.max_model_len})")
-        auto = [b.max_tokens for b in self.buckets if b.speculation == "auto"]
+        auto = [b.max_tokens for b in self.buckets if b.speculation == "auto" or isinstance(b.speculation, AutoDrafts)]
         if auto and not self.model.drafter:
             raise ValueError(f"buckets {auto} have speculation: auto, which needs model.drafter")
         for b in self.buckets:

@@ -305,6 +305,22 @@ def _merged_top1(local: torch.Tensor, flag: torch.Tensor | None) -> tuple[torch.
     return ids, None if flag is None else merged[..., 2].min(-1).values > 0
 
 
+def sharded_prob(local: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The probability softmax(logits) gives token `ids` [...] (global vocabulary ids) where the
+    logits' last dim is split across ranks: one gather of 2 values a row (each rank's log-sum-exp
+    and its logit of the token, -inf where another rank holds it). In float32 at least."""
+    wide = local.to(torch.promote_types(local.dtype, torch.float32))
+    size = local.shape[-1]
+    at = ids - rank() * size
+    mine = (at >= 0) & (at < size)
+    chosen = wide.gather(-1, at.clamp(0, size - 1)[..., None])[..., 0].masked_fill(~mine, float("-inf"))
+    lse = torch.logsumexp(wide, -1)
+    if world_size() == 1:
+        return (chosen - lse).exp()
+    merged = all_gather_last(torch.stack([lse, chosen], -1).flatten(-2)).unflatten(-1, (-1, 2))  # [..., ranks, 2]
+    return (merged[..., 1].max(-1).values - torch.logsumexp(merged[..., 0], -1)).exp()
+
+
 def run_size() -> int:
     """Every rank of the run, all stages (1 while planning)."""
     if _planned is not None:
@@ -329,6 +345,14 @@ def agreed(value: int) -> int:
     t = torch.tensor([value], device="cuda" if dist.get_backend() == "nccl" else "cpu")
     dist.broadcast(t, 0)
     return int(t.item())
+
+
+def agreed_tensor(t: torch.Tensor) -> torch.Tensor:
+    """Rank 0's values of `t` on every rank of the run, in place (as agreed, for a tensor on the
+    group's device)."""
+    if run_size() > 1:
+        dist.broadcast(t, 0)
+    return t
 
 
 def barrier() -> None:

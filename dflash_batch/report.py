@@ -196,8 +196,8 @@ def _schedules(out_dir: Path) -> dict[str, dict]:
 
 
 def _schedule_lines(name: str, s: dict) -> list[str]:
-    """One bucket's schedule: acceptance by position, and by batch size the cost of a round at
-    each k and the rounds run at it."""
+    """One bucket's schedule: acceptance by position, by batch size the cost of a round at each
+    k and the rounds run at it, and how many drafts its sequence-rounds verified."""
     block = s["block_size"]
     lines = [f"### {name} ({s['mode']})", "",
              "| | " + " | ".join(f"k={k}" for k in range(block)) + " |", "|---|" + "---|" * block,
@@ -211,6 +211,13 @@ def _schedule_lines(name: str, s: dict) -> list[str]:
         rounds = s["rounds_by_k"].get(size, {})
         lines.append(f"| batch {size}: rounds run | " + " | ".join(str(rounds.get(str(k), 0)) for k in range(block))
                      + " |")
+    # Drafts each sequence-round verified: one k a round (exploring, pinned, per_row off) and per
+    # row (engine/row_drafts.py), with the drafts verified per draft kept of each.
+    for mode, counts in (s.get("drafts_verified") or {}).items():
+        if counts:
+            lines.append(f"| sequence-rounds that verified k ({mode}; {_fmt(s['verified_per_kept'][mode])} "
+                         "verified per kept) | " + " | ".join(str(counts.get(str(k), 0)) for k in range(block))
+                         + " |")
     return lines + [""]
 
 

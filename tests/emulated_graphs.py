@@ -175,7 +175,7 @@ class EmulatedGraphs(RoundGraphs):
         self.step.attention.plan_round(self.batch, size, {"draft": [], "verify": []}, graph=True,
                                        widths={"verify": width})
         for _ in range(2):  # warm-up, as graphs.py does
-            self.step(self.batch, size, greedy, self.max_kv, width)
+            self._run(size, greedy, width)
         graph = Capture()
         # The backend takes its graph wrappers; the CPU's MoE its capturable form.
         saved = flashinfer_attention.capturing, moe_mxfp4.routed_sum
@@ -183,7 +183,7 @@ class EmulatedGraphs(RoundGraphs):
         moe_mxfp4.routed_sum = every_expert
         try:
             with graph.record():
-                self.step(self.batch, size, greedy, self.max_kv, width)
+                self._run(size, greedy, width)
         finally:
             flashinfer_attention.capturing, moe_mxfp4.routed_sum = saved
         self.graphs[(size, greedy, width)] = graph

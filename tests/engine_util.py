@@ -98,3 +98,13 @@ def after_first(lp: Logprobs) -> Logprobs:
 def random_prompts(lengths: list[int], vocab: int = VOCAB, seed: int = 0) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab - 1, (n,), generator=gen).tolist() for n in lengths]
+
+
+def pair_of_each_family(d: Path) -> dict[str, tuple]:
+    """A float64 (target, drafter) of each family in directory d: a tiny Qwen3 with a DFlash v2
+    drafter, and the tiny Kimi-K3 pair (testing/kimi_pair.py)."""
+    from dflash_batch.testing import kimi_pair
+
+    make_drafter(d / "drafter", 2)
+    return {"qwen3": load_pair(make_target(d / "target"), d / "drafter", F64),
+            "kimi": kimi_pair.load_pair(*kimi_pair.make_kimi_pair(d / "kimi"), F64)}

@@ -23,7 +23,7 @@ from dflash_batch.job import JobError, parse_job
 from dflash_batch.plan.buckets import Bucket
 from dflash_batch.report import build_report, to_markdown
 from dflash_batch.testing import kimi_pair
-from tests.engine_util import F64, bucket, load_pair, make_drafter, make_target, random_prompts, run
+from tests.engine_util import F64, bucket, pair_of_each_family, random_prompts, run
 from tests.jobs_util import read_out
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,10 +32,7 @@ LENGTHS = [40, 3, 90, 17, 60, 8, 25, 33]
 
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
-    d = tmp_path_factory.mktemp("auto")
-    make_drafter(d / "drafter", 2)
-    return {"qwen3": load_pair(make_target(d / "target"), d / "drafter", F64),
-            "kimi": kimi_pair.load_pair(*kimi_pair.make_kimi_pair(d / "kimi"), F64)}
+    return pair_of_each_family(tmp_path_factory.mktemp("auto"))
 
 
 @pytest.mark.slow
@@ -125,12 +122,12 @@ def test_the_window_slides_over_the_last_rounds():
     every round, would still measure 7 or more and never stop."""
     auto = Schedule(block=8, sizes=[4], window=8, pinned=None, min_acc_len=2.0)
     for _ in range(25):
-        auto.record(4, 7, 0.0, [7, 7, 7, 7])
+        auto.record(4, 7, 0.0, [7, 7, 7, 7], [7, 7, 7, 7])
         assert not auto.below_floor()
     # Two sequences a round: the window holds 6, 4, 2, then none of the accepting rounds.
     stops = []
     for _ in range(4):
-        auto.record(2, 7, 0.0, [0, 0])
+        auto.record(2, 7, 0.0, [0, 0], [7, 7])
         stops.append(auto.below_floor())
     assert stops == [False, False, False, True]
     assert auto.acceptance.expected_tokens(7) == 1.0

@@ -20,6 +20,7 @@ from transformers import RepetitionPenaltyLogitsProcessor
 from dflash_batch.engine.engine import Engine
 from dflash_batch.engine.request import Request, SamplingParams
 from dflash_batch.engine.sampling import filtered_probs
+from tests.test_row_drafts import ragged_rounds
 from tests.engine_util import F64, VOCAB, after_first, bucket, load_pair, make_drafter, make_target, random_prompts, run
 from tests.tiny_models import load_hf_model
 
@@ -115,18 +116,25 @@ def sample_tuples(engine: Engine, speculation: bool, drafts: int | None = None) 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("speculation, drafts", [(True, None), (True, 0), (True, 1), (False, None)],
-                         ids=["spec", "spec_k0", "spec_k1", "target_only"])
-def test_sampled_tokens_follow_target_distribution(models, speculation, drafts):
+@pytest.mark.parametrize("speculation, drafts", [(True, None), (True, 0), (True, 1), ("auto", None), (False, None)],
+                         ids=["spec", "spec_k0", "spec_k1", "spec_per_row", "target_only"])
+def test_sampled_tokens_follow_target_distribution(models, speculation, drafts, monkeypatch):
     """spec_k0, spec_k1: rounds verify none or 1 of the block's 3 drafts (engine/schedule.py;
-    with 2 tokens after the first, a round can keep at most 1 draft anyway)."""
+    with 2 tokens after the first, a round can keep at most 1 draft anyway). spec_per_row: each
+    row of a round verifies its own number, scattered (tests/test_row_drafts.py's stand-in for
+    the choice), in one ragged verify (engine/row_drafts.py)."""
     joint = exact_joint(models["soft"]).flatten()
     # The test means something only if the law is spread out: several likely outcomes per step.
     assert (joint > 0.01).sum() >= 20, joint.sort(descending=True).values[:20]
+    if speculation == "auto":
+        ragged_rounds(monkeypatch)
     engine = Engine(*load_pair(models["soft"], models["v2"]))
     counts, per_round = sample_tuples(engine, speculation, drafts)
     if drafts is not None:
         assert max(per_round) == drafts
+    if speculation == "auto":
+        (schedule,) = engine.schedules.values()
+        assert len(schedule.verified["per row"]) >= 3, schedule.verified
     if speculation and drafts != 0:
         # Drafts accepted: the accept rule (not only the bonus token) shaped the sample.
         assert sum(per_round) > SAMPLES // 20, Counter(per_round)

@@ -20,17 +20,14 @@ from dflash_batch.engine.schedule import Acceptance, Schedule
 from dflash_batch.job import JobError, parse_job
 from dflash_batch.plan.buckets import Bucket
 from dflash_batch.testing import kimi_pair
-from tests.engine_util import F64, bucket, load_pair, make_drafter, make_target, random_prompts, run
+from tests.engine_util import F64, bucket, load_pair, make_drafter, make_target, pair_of_each_family, random_prompts, run
 
 LENGTHS = [40, 3, 90, 17, 60, 8]
 
 
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
-    d = tmp_path_factory.mktemp("schedule")
-    make_drafter(d / "drafter", 2)
-    return {"qwen3": load_pair(make_target(d / "target"), d / "drafter", F64),
-            "kimi": kimi_pair.load_pair(*kimi_pair.make_kimi_pair(d / "kimi"), F64)}
+    return pair_of_each_family(tmp_path_factory.mktemp("schedule"))
 
 
 def vocab_of(family: str) -> int:
@@ -89,7 +86,7 @@ def test_expected_tokens_are_the_definition():
             a += 1
         rounds.append(a)
     for k, a in zip(itertools.cycle([4, 4, 2, 3]), rounds):
-        acc.record([min(a, k)], k)
+        acc.record([min(a, k)], [k])
     for k in range(5):
         # Brute force: each position's rate from the rounds that tried it.
         chain, want = 1.0, 1.0
@@ -106,9 +103,9 @@ def test_each_positions_window_slides():
     would still say 50/58), while the later positions keep what they last saw."""
     acc = Acceptance(drafts=3, window=8)
     for _ in range(50):
-        acc.record([3], 3)
+        acc.record([3], [3])
     for _ in range(8):
-        acc.record([0], 3)
+        acc.record([0], [3])
     assert acc.rates() == [0.0, 1.0, 1.0]
     assert acc.expected_tokens(3) == 1.0
 
@@ -122,7 +119,7 @@ def test_a_window_of_whole_rounds_keeps_the_last_trials_one_by_one():
     for _ in range(300):
         k = rng.randint(1, 5)
         accepted = [min(rng.choice([0, 0, 1, 2, 5, 5]), k) for _ in range(rng.randint(1, 9))]
-        acc.record(accepted, k)
+        acc.record(accepted, [k] * len(accepted))
         for j in range(k):
             tried = [a for a in accepted if a >= j]
             trials[j] += sorted((int(a > j) for a in tried), reverse=True)
@@ -139,7 +136,7 @@ def test_the_decision_is_the_best_rate_by_brute_force():
     s.time_rounds(lambda size, width: times[size][width - 1])
     assert s.drafts(5) == 3  # exploring: the whole block until EXPLORE sequence-rounds
     for _ in range(40):
-        s.acceptance.record([1], 3)  # every first draft accepted, no second
+        s.acceptance.record([1], [3])  # every first draft accepted, no second
     for n, size in ((1, 1), (5, 8), (40, 64), (64, 64)):
         best = max(range(4), key=lambda k: s.acceptance.expected_tokens(k) / times[size][k])
         assert s.drafts(n) == best
@@ -151,7 +148,7 @@ def test_a_rounds_own_time_moves_its_batch_sizes_costs():
     s = Schedule(block=2, sizes=[4], window=100, pinned=None)
     s.time_rounds(lambda size, width: [1.0, 1.5][width - 1])
     for _ in range(30):
-        s.record(4, 1, 2.5, [])  # the rounds that run take a second longer than the table
+        s.record(4, 1, 2.5, [], [])  # the rounds that run take a second longer than the table
     assert s.cost(4, 1) == pytest.approx(2.5, rel=1e-3) and s.cost(4, 0) == pytest.approx(2.0, rel=1e-3)
 
 

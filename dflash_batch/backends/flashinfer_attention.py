@@ -138,6 +138,7 @@ class _Entry:
 class FlashInferAttention:
     name = "flashinfer"
     splits_rounds = False  # plan_round lays a round out whole
+    ragged_rounds = False  # ... from lengths the host knows before the round
 
     def __init__(self, device: torch.device | str, latent_rings: bool = True, workspace_bytes: int = 256 << 20,
                  split: LatentSplit | None = None):

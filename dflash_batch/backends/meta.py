@@ -33,6 +33,9 @@ class AttentionBackend(Protocol):
     # Whether a round's forwards may go through pipeline stages in groups of sequences (a backend
     # that plans a round on the host plans it whole; its rounds run in lanes instead, engine/lanes.py).
     splits_rounds: bool
+    # Whether a round's verify may give its sequences different numbers of rows, chosen on the
+    # device after the draft (engine/row_drafts.py; a backend that plans on the host cannot).
+    ragged_rounds: bool
 
     def reads_rings(self, latent: bool) -> bool:
         """Whether a drafter's sliding layers may keep ring caches (AttnMeta.ring_view) here:

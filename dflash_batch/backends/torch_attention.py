@@ -110,6 +110,7 @@ class TorchAttention:
 
     name = "torch"
     splits_rounds = True
+    ragged_rounds = True
 
     def __init__(self, split: LatentSplit | None = None):
         self.split = split

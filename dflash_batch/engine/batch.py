@@ -15,6 +15,7 @@ import copy
 import torch
 
 from dflash_batch.backends.meta import Ring
+from dflash_batch.engine.row_drafts import EDGES
 from dflash_batch.engine.sequence import Sequence
 from dflash_batch.limits import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
@@ -22,7 +23,7 @@ from dflash_batch.limits import MAX_LOGIT_BIAS, MAX_LOGPROBS
 # The tensors with a row per batch row (a lane takes its rows' views of them).
 PER_ROW = ("ids", "pos", "budget", "tables", "temperature", "top_k", "top_p", "min_p", "min_stop_pos", "bias_ids",
            "bias", "repetition", "frequency", "presence", "counts", "in_prompt", "token_logprob", "top_logprob_ids",
-           "top_logprobs", "seed", "stop_ids", "state_slot", "out", "row_ids")
+           "top_logprobs", "seed", "stop_ids", "state_slot", "out", "row_ids", "draft_probs")
 
 
 class DecodeBatch:
@@ -82,6 +83,11 @@ class DecodeBatch:
         self.stop_ids = full((rows, like.stop_ids.shape[1] if like else 4), -1)  # stop token ids (-1: none)
         self.state_slot = full((rows,), sequences)  # recurrent-state slot (hybrid targets)
         self.out = full((rows, block + 2), 0)          # a round's result: emitted | kept | finished
+        # Per-row draft counts (engine/row_drafts.py): the drafter's probability of each draft of
+        # a round, and what the round's choice reads (the calibration's rates, the cost line).
+        self.draft_probs = full((rows, block - 1), 0.0, torch.float32)
+        self.draft_edges = torch.tensor(EDGES, dtype=torch.float32, device=device)
+        self.draft_params = full((len(EDGES) + 3,), 0.0, torch.float64)
         self.q_index = torch.arange(rows * block, device=device).view(rows, block)
         self.row_ids = torch.arange(rows, device=device)  # a round's sequence b runs in row b
         self.no_rows = full((0,), 0)

@@ -25,6 +25,7 @@ from dflash_batch.engine.cache import NO_RINGS, RowRings, SeqRows, build_meta, r
 from dflash_batch.engine.compile_policy import CompileWhenItPays
 from dflash_batch.engine.emitted import take_round
 from dflash_batch.engine.graphs import RoundGraphs
+from dflash_batch.engine.row_drafts import learn, ready_rows
 from dflash_batch.engine.lanes import LANES_REPLAN, run_lanes
 from dflash_batch.engine.heads import HeadPool, plan_heads, pool_bound
 from dflash_batch.engine.queue import Queue
@@ -93,14 +94,17 @@ class Engine:
                  capture_sizes: list[int] | None = None, cuda_graphs: bool = False, compile: bool = False,
                  compile_if_it_pays: bool = False, share_prompts: bool = True, shared_head_tokens: int = 8192,
                  log: Callable[[str], None] | None = None, auto_speculation: tuple[float, int] = (1.5, 1024),
-                 micro_batches: int = 1):
+                 micro_batches: int = 1, per_row: bool = True):
         """`compile_if_it_pays`: with `compile`, a bucket whose requests fit few rounds runs them
         uncompiled (compile_policy.py); `share_prompts`: samples fork a prompt's prefill, and rows
         share heads of up to `shared_head_tokens` (engine/heads.py); `auto_speculation`:
         (min_acc_len, rounds) of buckets with speculation "auto" (schedule.py); `micro_batches`:
         under pipeline stages, the lanes rounds interleave in (lanes.py), or the groups of sequences
-        a captured round or a prefill step goes through the stages in (models/stages.py)."""
+        a captured round or a prefill step goes through the stages in (models/stages.py);
+        `per_row`: auto buckets (speculation {per_row: true}, auto's default) verify each row's
+        drafts worth it (row_drafts.py) where rounds can be ragged: the backend's, one stage."""
         self.target, self.drafter = target, drafter
+        self.per_row = per_row and attention.ragged_rounds and parallel.stage()[1] == 1
         self.micro_batches = micro_batches
         self.vocab_size: int = target.vocab_size
         # Hybrid targets (KDA) keep per-sequence recurrent state that verify stages and commit picks.
@@ -139,7 +143,7 @@ class Engine:
         requests, heads = plan_heads(list(requests), self.shared_head_tokens)
         block, pages_per_row, models = self._shape(bucket)
         seqs = bucket.max_num_seqs
-        shape = (seqs, pages_per_row, block)
+        shape = (seqs, pages_per_row, block, self._per_row(bucket))
         kept = self.bucket_state
         # Reused while the shape holds and the models still hold these caches (another engine
         # sharing the models may have allocated its own).
@@ -213,7 +217,8 @@ class Engine:
                             # a round of every lane counts as a round of the batch
                             rounds = [(ran.seconds / len(ran.accepted), accepted) for accepted in ran.accepted]
                         else:
-                            accepted = self._round(batch, q.running, step, graphs, block, k + 1)
+                            accepted, per_row, drafts = self._round(batch, q.running, step, graphs, block, k + 1,
+                                                                    schedule)
                             finished = [s for s in involved if s.finish_reason]
                             rounds = [(time.perf_counter() - started, accepted)]
                         if pays is not None:
@@ -223,7 +228,9 @@ class Engine:
                                 pays = None
                         if schedule is not None:
                             for seconds, accepted in rounds:  # a round cut by its sequence's end measures no acceptance
-                                schedule.record(size, k, seconds, [a for a, seq in accepted if not seq.finish_reason])
+                                kept = [(a, v) for a, v, seq in accepted if not seq.finish_reason]
+                                schedule.record(size, k, seconds, [a for a, _ in kept], [v for _, v in kept],
+                                                not laned and per_row, None if laned else drafts)
                             if schedule.pinned is None:
                                 switch = schedule.why_stop(plan == NOWHERE)
                 except Exception as error:  # noqa: BLE001 - any failure: decide what it costs
@@ -306,7 +313,8 @@ class Engine:
             release_caches(self.drafter)  # a bucket without the drafter does not hold its caches
         batch, step, graphs = self._allocate(bucket, block, pages_per_row, models, previous,
                                              pool_bound(self.shared_head_tokens, self.page_size, pages_per_row))
-        self.bucket_state = ((bucket.max_num_seqs, pages_per_row, block), runtime_tensors(models), batch, step, graphs)
+        shape = (bucket.max_num_seqs, pages_per_row, block, self._per_row(bucket))
+        self.bucket_state = (shape, runtime_tensors(models), batch, step, graphs)
         return batch
 
     def _shape(self, bucket: Bucket) -> tuple[int, int, list[torch.nn.Module]]:
@@ -351,7 +359,7 @@ class Engine:
         graphs = None
         if self.cuda_graphs:
             graphs = RoundGraphs(step, batch, self.capture_sizes, pages_per_row * self.page_size,
-                                 self._widths(bucket, block))
+                                 self._widths(bucket, block), self._per_row(bucket))
         return batch, step, graphs
 
     @staticmethod
@@ -360,6 +368,10 @@ class Engine:
         if block == 1 or bucket.speculation == "auto":
             return list(range(1, block + 1))
         return [block if bucket.drafts is None else bucket.drafts + 1]
+
+    def _per_row(self, bucket: Bucket) -> bool:
+        """Whether the bucket's rounds verify each row's drafts worth it (row_drafts.py)."""
+        return self.per_row and bucket.speculation == "auto" and bucket.per_row and self._block_size(bucket) > 1
 
     def _block_size(self, bucket: Bucket) -> int:
         off = bucket.speculation == "auto" and bucket.name in self.schedules and self.schedules[bucket.name].off
@@ -379,7 +391,7 @@ class Engine:
         if schedule is None or (schedule.block, schedule.pinned) != (block, pinned):
             sizes = self._sizes(bucket.max_num_seqs)
             schedule = self.schedules[bucket.name] = Schedule(block, sizes, self.auto_speculation[1], pinned,
-                                                                 self.auto_speculation[0])
+                                                                 self.auto_speculation[0], self._per_row(bucket))
         if schedule.pinned is None and not schedule.costs:
             with torch.no_grad() if self.compile else torch.inference_mode():
                 schedule.time_rounds(lambda size, width: self._time_round(batch, step, graphs, size, width))
@@ -638,17 +650,25 @@ class Engine:
                              col([p.seed for p in params]), col([len(s.prompt) for s in seqs]), self.ops.sample,
                              col([p.min_p for p in params], torch.float32))
 
-    def _round(self, batch: DecodeBatch, running: list[Sequence | None], step: Round,
-               graphs: RoundGraphs | None, block: int, width: int) -> list[tuple[int, Sequence]]:
+    def _round(self, batch: DecodeBatch, running: list[Sequence | None], step: Round, graphs: RoundGraphs | None,
+               block: int, width: int, schedule: Schedule | None = None
+               ) -> tuple[list[tuple[int, int, Sequence]], bool, int | None]:
         """One round for rows 0..n-1, n past the last running sequence (rows without one are
-        padding), verifying `width` rows a sequence; extends each sequence with what it
-        emitted. Returns the drafts each speculating sequence kept, with it."""
+        padding), verifying `width` rows a sequence (a per-row bucket's `schedule`: each row the
+        drafts worth it, n * (width - 1) at most where captured); extends each sequence with what
+        it emitted. Returns the drafts each speculating sequence kept and verified, with it;
+        whether the round went per row; and the drafts an eager per-row round verified in all
+        (its cost follows them; else None: the cost table's at its width)."""
         n = max(i for i, s in enumerate(running) if s is not None) + 1
         size = self.padded(n)
         greedy = all(s.plain_greedy for s in running[:n] if s is not None)
         constrained = any(s is not None and s.matcher is not None for s in running[:n])
         positions = [s.position if s is not None else 0 for s in running[:n]]
         captured = graphs is not None and graphs.covers(size, width) and not constrained
+        per_row = schedule is not None and schedule.calibration is not None and width > 1 and not constrained
+        if per_row:
+            ready_rows(batch, schedule, size, captured)
+            width = width if captured else block  # eager: any row may verify its whole block
         self.attention.plan_round(batch, size, round_kv_lens(running[:n], block, width), captured, {"verify": width})
         if captured:
             graphs.replay(size, greedy, width)
@@ -657,8 +677,12 @@ class Engine:
             self._grammar_masks(batch, running[:n], block)
             step.verify(batch, size, False, drafted, constrained=True)
         else:
-            step(batch, size, greedy, max(positions) + block, width)
-        return take_round(batch, running[:n], block, width, self.decode)
+            step(batch, size, greedy, max(positions) + block, width, per_row=per_row)
+        accepted = take_round(batch, running[:n], block, self.decode)
+        if not per_row:
+            return accepted, False, None
+        learn(schedule.calibration, batch, accepted)
+        return accepted, True, None if captured else sum(v for _, v, _ in accepted)
 
     @staticmethod
     def _grammar_masks(batch: DecodeBatch, running: list[Sequence | None], block: int) -> None:

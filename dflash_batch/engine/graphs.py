@@ -18,9 +18,11 @@ from dflash_batch.engine.round import Round
 
 class RoundGraphs:
     def __init__(self, step: Round, batch: DecodeBatch, sizes: list[int], max_kv: int,
-                 widths: list[int] | None = None):
-        """`widths`: the verify widths rounds may run at (engine/schedule.py); default the block."""
-        self.step, self.batch, self.max_kv = step, batch, max_kv
+                 widths: list[int] | None = None, per_row: bool = False):
+        """`widths`: the verify widths rounds may run at (engine/schedule.py); default the block.
+        `per_row`: a round of width W > 1 verifies each row's drafts worth it, n * (W - 1) in
+        all at most, in a verify of n * W rows (engine/row_drafts.py)."""
+        self.step, self.batch, self.max_kv, self.per_row = step, batch, max_kv, per_row
         self.graphs: dict[tuple[int, bool, int], torch.cuda.CUDAGraph] = {}
         self.pool = None
         # Largest first: the smaller graphs reuse the memory pool the largest one reserved. Sizes
@@ -44,7 +46,7 @@ class RoundGraphs:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: kernels compiled and planned outside the capture
             for _ in range(2):
-                self.step(self.batch, size, greedy, self.max_kv, width)
+                self._run(size, greedy, width)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         mode = torch.cuda.get_sync_debug_mode()
@@ -52,8 +54,12 @@ class RoundGraphs:
             # A sync inside a capture fails it anyway; this names the op that synced.
             torch.cuda.set_sync_debug_mode("error")
             try:
-                self.step(self.batch, size, greedy, self.max_kv, width)
+                self._run(size, greedy, width)
             finally:
                 torch.cuda.set_sync_debug_mode(mode)
         self.pool = graph.pool()
         self.graphs[(size, greedy, width)] = graph
+
+    def _run(self, size: int, greedy: bool, width: int) -> None:
+        per_row = self.per_row and width > 1
+        self.step(self.batch, size, greedy, self.max_kv, width, per_row=per_row, fixed=per_row)

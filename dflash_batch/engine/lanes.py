@@ -74,11 +74,11 @@ class Lane:
 
 @dataclass
 class LanesRun:
-    """What one stretch of interleaved rounds did: `accepted[r]`, the drafts each sequence kept in
-    round r of its lane (a round of every lane: the schedule's record of a round of the batch);
+    """What one stretch of interleaved rounds did: `accepted[r]`, the drafts each sequence kept and
+    verified in round r of its lane (a round of every lane: the schedule's record of a round of the batch);
     `ended`, the sequences that ended (their rows released)."""
 
-    accepted: list[list[tuple[int, Sequence]]]
+    accepted: list[list[tuple[int, int, Sequence]]]
     ended: list[Sequence]
     seconds: float
 
@@ -103,7 +103,7 @@ def run_lanes(q: Queue, batch: DecodeBatch, step: Round, size: int, lanes: int, 
     def goes_on(lane: Lane) -> bool:
         """Keep what lane's round emitted; whether the lane runs another round."""
         nonlocal stopping
-        kept = take_round(lane.batch, lane.running(q), block, width, decode)
+        kept = take_round(lane.batch, lane.running(q), block, decode)
         while len(record.accepted) < lane.rounds:
             record.accepted.append([])
         record.accepted[lane.rounds - 1] += kept

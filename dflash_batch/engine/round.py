@@ -47,6 +47,7 @@ from dflash_batch import parallel
 from dflash_batch.backends.meta import AttentionBackend, AttnMeta
 from dflash_batch.engine.batch import DecodeBatch
 from dflash_batch.engine.choice import choose_verified
+from dflash_batch.engine.row_drafts import packed, ragged_rows, row_widths
 
 ERROR = 3  # a finished code beside kernels.accept's STOP and LENGTH: the logits were not finite
 
@@ -80,26 +81,33 @@ class Round:
         self.eager = not compile
         self.compiled = False  # a compiled round has run: its cost is paid
 
-    def __call__(self, batch: DecodeBatch, n: int, greedy: bool, max_kv: int, width: int | None = None) -> None:
+    def __call__(self, batch: DecodeBatch, n: int, greedy: bool, max_kv: int, width: int | None = None,
+                 per_row: bool = False, fixed: bool = False) -> None:
         """Decode one round for rows 0..n-1; the result lands in batch.out[:n]. `greedy`: every
         row has temperature 0 (skips the sampler); `max_kv`: a host-side bound on key lengths;
-        `width`: rows verified a sequence (anchor + drafts), default the block."""
+        `width`: rows verified a sequence (anchor + drafts), default the block; `per_row`,
+        `fixed`: see draft."""
         if self.eager:
-            self.run(batch, n, greedy, max_kv, width or self.block)
+            self.run(batch, n, greedy, max_kv, width or self.block, per_row, fixed)
             return
         if self.step is None:
             self.step = torch.compile(self.run, dynamic=True)
-        self.step(batch, n, greedy, max_kv, width or self.block)
+        self.step(batch, n, greedy, max_kv, width or self.block, per_row, fixed)
         self.compiled = True
 
-    def run(self, batch: DecodeBatch, n: int, greedy: bool, max_kv: int, width: int) -> None:
-        self.verify(batch, n, greedy, self.draft(batch, n, max_kv, width))
+    def run(self, batch: DecodeBatch, n: int, greedy: bool, max_kv: int, width: int, per_row: bool = False,
+            fixed: bool = False) -> None:
+        self.verify(batch, n, greedy, self.draft(batch, n, max_kv, width, per_row=per_row, fixed=fixed))
 
-    def draft(self, batch: DecodeBatch, n: int, max_kv: int, width: int | None = None, lane: bool = False) -> tuple:
+    def draft(self, batch: DecodeBatch, n: int, max_kv: int, width: int | None = None, lane: bool = False,
+              per_row: bool = False, fixed: bool = False) -> tuple:
         """prepare + draft: batch.ids[:n, 1:] hold the proposal after it (none when `width` is 1).
-        Returns what verify reads: its positions and meta, `width` rows a sequence. `lane`: a
-        lane's round (engine/lanes.py): the drafts stay on the last stage, which posts them
-        itself, and the verify goes through the stages whole."""
+        Returns what verify reads: its positions, meta and input ids (None: batch.ids), `width`
+        rows a sequence. `lane`: a lane's round (engine/lanes.py): the drafts stay on the last
+        stage, which posts them itself, and the verify goes through the stages whole.
+        `per_row`: each row verifies the drafts worth verifying (engine/row_drafts.py), at most
+        n * (width - 1) in all, the rest blanked; the verify runs them packed, in n * width rows
+        (`fixed`: a captured round's shape) or exactly the rows chosen (one host read)."""
         B, b, W = self.block, batch, width or self.block
         groups = self.micro_batches if not lane and self.attention.splits_rounds else 1
         ids = b.ids[:n]
@@ -107,22 +115,36 @@ class Round:
             ids, b.pos[:n], b.budget[:n], b.tables[:n], self.page_size, self.mask_id)
 
         def meta(name: str, kv_lens: torch.Tensor, **extra) -> AttnMeta:
-            return AttnMeta(positions=positions, slots=slots, q_index=b.q_index[:n],
-                            q_positions=positions.view(n, B), kv_lens=kv_lens, block_tables=b.tables[:n],
-                            page_size=self.page_size, max_kv=max_kv, dense=True, rows_own_slots=b.rows_own_slots,
-                            name=name,
-                            backend=self.attention, rows=b.row_ids[:n], ring=b.ring, **extra)
+            layout = {"positions": positions, "slots": slots, "q_index": b.q_index[:n],
+                      "q_positions": positions.view(n, B), "dense": True, **extra}
+            return AttnMeta(kv_lens=kv_lens, block_tables=b.tables[:n], page_size=self.page_size, max_kv=max_kv,
+                            rows_own_slots=b.rows_own_slots, name=name, backend=self.attention, rows=b.row_ids[:n],
+                            ring=b.ring, **layout)
 
         if self.drafter is not None and W > 1:
             if parallel.last_stage():  # under pipeline stages the drafter runs where the taps arrive
                 hidden = self.drafter(draft_ids, meta("draft", draft_kv, logits_rows=b.no_rows), block_size=B)
-                ids[:, 1:] = self.drafter.propose(hidden.view(n, B, -1), ids[:, 0])
+                if per_row:
+                    ids[:, 1:], b.draft_probs[:n] = self.drafter.propose_scored(hidden.view(n, B, -1), ids[:, 0])
+                    widths = row_widths(b.draft_probs[:n], b.budget[:n], b.draft_edges, b.draft_params, n * (W - 1))
+                    ids.masked_fill_(torch.arange(B, device=ids.device) >= widths[:, None], -1)
+                else:
+                    ids[:, 1:] = self.drafter.propose(hidden.view(n, B, -1), ids[:, 0])
             if not lane:  # the first stage embeds the drafts; every stage's host reads them
                 parallel.from_last_stage(ids)
+        if per_row and W > 1:
+            widths = (ids >= 0).sum(1)  # the anchor and the drafts left (row_widths blanked the rest)
+            tokens = n * W if fixed else int(widths.sum())
+            live, at, logits_rows = ragged_rows(widths, B, tokens)
+            return positions, meta("verify", verify_kv - (B - widths), positions=packed(positions, at, tokens, 0),
+                                   slots=packed(slots, at, tokens, -1), q_index=at,
+                                   q_positions=torch.where(live, positions.view(n, B), -1), dense=False,
+                                   logits_rows=logits_rows, state_ids=b.state_slot[:n], stage=self.recurrent,
+                                   first_seq=b.first_row), packed(ids, at, tokens, 0)
         if W == B:
             return positions, meta("verify", verify_kv, logits_rows=b.q_index[:n].reshape(-1),
                                    state_ids=b.state_slot[:n], stage=self.recurrent, micro_batches=groups,
-                                   first_seq=b.first_row)
+                                   first_seq=b.first_row), None
         ids[:, W:] = -1  # drafts past the width: no verify row checks them, so none is accepted
         positions = positions.view(n, B)[:, :W].reshape(-1)
         q_index = torch.arange(n * W, device=ids.device).view(n, W)
@@ -133,7 +155,7 @@ class Round:
                           backend=self.attention, rows=b.row_ids[:n], ring=b.ring, logits_rows=q_index.reshape(-1),
                           state_ids=b.state_slot[:n], stage=self.recurrent, micro_batches=groups,
                           first_seq=b.first_row)
-        return positions, verify
+        return positions, verify, None
 
     def verify(self, batch: DecodeBatch, n: int, greedy: bool, drafted: tuple, constrained: bool = False) -> None:
         """verify -> choose -> accept -> context -> commit. `constrained`: mask each verify row's
@@ -149,15 +171,14 @@ class Round:
         stage the decision; returns the drafts each sequence accepted (zeros before the last stage,
         which takes the last stage's: `decided`)."""
         b = batch
-        positions, verify = drafted
-        W = verify.q_index.shape[1]  # rows verified a sequence
-        ids = b.ids[:n, :W]
+        positions, verify, inputs = drafted
+        W = verify.q_index.shape[1]  # rows verified a sequence (per row: at most)
         # Each rank keeps its slice of the vocabulary: greedy rounds without logprobs send only each
         # row's best (3 values a row); the others gather whole rows a group at a time (choice.py).
         verify.gather_logits = False
-        logits, taps = self.target(ids.reshape(-1), verify)
+        logits, taps = self.target(b.ids[:n, :W].reshape(-1) if inputs is None else inputs, verify)
         if not parallel.last_stage():  # a stage before the last has no logits: it takes what the last decided
-            return torch.zeros(n, dtype=torch.int64, device=ids.device)
+            return torch.zeros(n, dtype=torch.int64, device=b.ids.device)
         accepted = self.decide(b, n, W, logits, positions, greedy, constrained)
         if self.drafter is not None:
             self.drafter.write_context(taps, verify)

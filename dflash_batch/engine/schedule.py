@@ -30,6 +30,8 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from dflash_batch.engine.row_drafts import Calibration
+
 EXPLORE = 32  # sequence-rounds verified at the whole block before any decision
 EARLY = 8  # ... unless after this many even an optimistic estimate says the drafts pay nowhere
 REFRESH = 0.2  # weight of a round's own time in its batch size's correction
@@ -52,18 +54,17 @@ class Acceptance:
         self.tried = [0] * self.drafts
         self.hits = [0] * self.drafts
 
-    def record(self, accepted: list[int], verified: int) -> None:
-        """One round that verified `verified` drafts a sequence; `accepted`: the drafts each of
-        its sequences kept. A sequence that kept a is a trial of positions 1 .. min(a + 1, verified),
-        accepted at the first a."""
-        reached = [0] * (verified + 1)  # reached[j]: sequences that kept at least j drafts
-        for a, n in Counter(accepted).items():
-            reached[a] += n
-        for j in range(verified - 1, -1, -1):
-            reached[j] += reached[j + 1]
-        for j in range(verified):
-            if reached[j]:
-                self._add(j, reached[j], reached[j + 1])
+    def record(self, accepted: list[int], verified: list[int]) -> None:
+        """One round: sequence i verified verified[i] drafts and kept accepted[i] of them, a trial
+        of positions 1 .. min(accepted[i] + 1, verified[i]), accepted at the first accepted[i]."""
+        trials, hits = [0] * self.drafts, [0] * self.drafts
+        for a, v in zip(accepted, verified):
+            for j in range(min(a + 1, v)):
+                trials[j] += 1
+                hits[j] += j < a
+        for j, t in enumerate(trials):
+            if t:
+                self._add(j, t, hits[j])
 
     def _add(self, j: int, trials: int, hits: int) -> None:
         rounds = self.rounds[j]
@@ -113,8 +114,13 @@ class Schedule:
     """One bucket's record: acceptance by position, the cost table and the k chosen over time.
     `pinned`: k for every round (None: decided by batch size, auto)."""
 
-    def __init__(self, block: int, sizes: list[int], window: int, pinned: int | None, min_acc_len: float = 1.0):
+    def __init__(self, block: int, sizes: list[int], window: int, pinned: int | None, min_acc_len: float = 1.0,
+                 per_row: bool = False):
+        """`per_row`: (auto) each row of a round verifies the drafts worth it (engine/row_drafts.py)."""
         self.block, self.sizes, self.pinned = block, sorted(sizes), pinned
+        self.calibration = Calibration() if per_row else None
+        self.verified: dict[str, Counter] = {"one k": Counter(), "per row": Counter()}  # drafts a sequence-round
+        self.kept = {"one k": 0, "per row": 0}  # drafts accepted, in those sequence-rounds
         self.window, self.min_acc_len = window, min_acc_len
         self.acceptance = Acceptance(block - 1, window)
         self.explore = min(EXPLORE, window)
@@ -141,12 +147,30 @@ class Schedule:
     def cost(self, size: int, k: int) -> float:
         return self.costs[size][k] + self.correction.get(size, 0.0)
 
+    def line(self, n: int, corrected: bool = True) -> tuple[float, float]:
+        """The cost of a round of n rows as a line in the drafts it verifies in all: (seconds at
+        none, seconds a draft), fitted by least squares to its table size's costs at k >= 1
+        (each drafts; k = 0 does not); the slope at least 0. `corrected`: the base with the
+        size's correction (what the rounds run took beyond the table)."""
+        size = self.size_of(n)
+        ks = range(1, self.block) if self.block > 2 else range(self.block)
+        xs, ys = [size * k for k in ks], [self.costs[size][k] for k in ks]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        spread = sum((x - mx) ** 2 for x in xs)
+        slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / spread) if spread else 0.0
+        return my - slope * mx + (self.correction.get(size, 0.0) if corrected else 0.0), slope
+
+    @property
+    def exploring(self) -> bool:
+        """Still measuring: every round verifies the whole block (a per-row round every draft)."""
+        return not self.costs or self.acceptance.samples < self.explore
+
     # -- deciding ------------------------------------------------------------------------------
     def drafts(self, n: int) -> int:
         """How many drafts the round of n rows verifies."""
         if self.pinned is not None:
             return self.pinned
-        if not self.costs or self.acceptance.samples < self.explore:
+        if self.exploring:
             return self.block - 1
         return self.best(self.size_of(n))
 
@@ -188,6 +212,11 @@ class Schedule:
         """All but the cost table: a later run learns its acceptance and its rounds anew."""
         self.restart()
         self.off = False
+        if self.calibration is not None:
+            self.calibration = Calibration()
+        for mode in self.verified:
+            self.verified[mode].clear()
+            self.kept[mode] = 0
         self.correction.clear()
         self.rounds.clear()
         self.changes.clear()
@@ -200,9 +229,13 @@ class Schedule:
             return False
         return self.best(self.sizes[0], optimistic=self.acceptance.samples < self.explore) == 0
 
-    def record(self, n: int, k: int, seconds: float, accepted: list[int]) -> None:
-        """A round of n rows verified k drafts in `seconds`; `accepted`: the drafts each sequence
-        kept, of those whose round was not cut by their end."""
+    def record(self, n: int, k: int, seconds: float, accepted: list[int], verified: list[int],
+               per_row: bool = False, drafts: int | None = None) -> None:
+        """A round of n rows verified k drafts a sequence (`per_row`: each row those worth it,
+        engine/row_drafts.py) in `seconds`; `accepted`, `verified`: the drafts each sequence kept
+        and verified, of those whose round was not cut by their end; `drafts`: an eager per-row
+        round's drafts verified in all (its cost follows them: line), None: the cost is the
+        table's at k (a captured round's shape)."""
         size = self.size_of(n)
         by_k = self.rounds.setdefault(size, {})
         by_k[k] = by_k.get(k, 0) + 1
@@ -210,9 +243,13 @@ class Schedule:
             self.changes.append((self.total_rounds, size, k))
             self.k = k
         self.total_rounds += 1
-        self.acceptance.record(accepted, k)
+        self.acceptance.record(accepted, verified)
+        mode = "per row" if per_row else "one k"
+        self.verified[mode].update(verified)
+        self.kept[mode] += sum(accepted)
         if size in self.costs:
-            miss = seconds - self.costs[size][k]
+            base, per_draft = self.line(n, corrected=False)
+            miss = seconds - (self.costs[size][k] if drafts is None else base + per_draft * drafts)
             self.correction[size] = (1 - REFRESH) * self.correction.get(size, miss) + REFRESH * miss
 
     def stats(self) -> dict:
@@ -225,4 +262,11 @@ class Schedule:
             "cost_ms": {str(s): [round(1e3 * self.cost(s, k), 3) for k in range(self.block)] for s in self.costs},
             "rounds_by_k": {str(s): {str(k): c for k, c in sorted(by.items())} for s, by in sorted(self.rounds.items())},
             "changes": self.changes[-200:],  # (round, batch size, k): the last 200
+            "per_row": self.calibration is not None,
+            # Sequence-rounds by the drafts they verified, and drafts verified per draft kept, of
+            # the rounds with one k (exploring, pinned, or per_row off) and of per-row rounds.
+            "drafts_verified": {mode: {str(k): c for k, c in sorted(by.items())} for mode, by in self.verified.items()},
+            "verified_per_kept": {mode: round(sum(k * c for k, c in by.items()) / self.kept[mode], 3)
+                                  if self.kept[mode] else None for mode, by in self.verified.items()},
+            "calibration": None if self.calibration is None else [round(r, 3) for r in self.calibration.rates()],
         }

@@ -361,7 +361,18 @@ class DFlashDrafter(nn.Module):
     def propose(self, hidden: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
         """hidden [bs, B, hidden], anchor [bs] -> greedy drafts [bs, B-1] (row 0 is the anchor's own).
         v1 drafts each row independently; the anchor matters only to DFlash2's selector."""
-        return parallel.sharded_argmax(self.draft_logits(hidden))
+        return self.pick(hidden, self.draft_logits(hidden), anchor)
+
+    def propose_scored(self, hidden: torch.Tensor, anchor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """propose, and the drafter's own probability of each draft [bs, B-1] (its softmax at that
+        position: what engine/row_drafts.py calibrates into a chance of acceptance)."""
+        logits = self.draft_logits(hidden)
+        drafts = self.pick(hidden, logits, anchor)
+        return drafts, parallel.sharded_prob(logits, drafts)
+
+    def pick(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        """The drafts from the block's draft logits (this rank's vocabulary slice): each row's best."""
+        return parallel.sharded_argmax(logits)
 
 
 class CandidateSelector(nn.Module):
@@ -408,5 +419,5 @@ class DFlash2Drafter(DFlashDrafter):
                 return f"candidate_selector.{book}"
         return name
 
-    def propose(self, hidden: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
-        return self.candidate_selector.greedy_path(hidden[:, 1:], self.draft_logits(hidden), anchor)
+    def pick(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        return self.candidate_selector.greedy_path(hidden[:, 1:], logits, anchor)

@@ -218,17 +218,22 @@ class KDA(nn.Module):
         beta = torch.sigmoid(wide(self.b_proj(x)))
         recurrent, chunked = kda_kernels(self.state)
         if meta.stage:
-            # Verify: every sequence has the same rows, in order (a round's dense layout), read
-            # from the committed state, which stays as it is; each row's raw inputs are kept so
-            # that commit can replay the accepted ones (d*d floats a row saved). No host sync:
-            # a round is captured as one graph.
-            if not meta.dense:
-                raise ValueError(f"forward {meta.name!r} stages KDA rows but its sequences' rows are not dense")
+            # Verify: each sequence's rows in order, read from the committed state, which stays
+            # as it is; each row's raw inputs are kept so that commit can replay the accepted
+            # ones (d*d floats a row saved). Sequences of fewer rows (a ragged verify,
+            # engine/row_drafts.py) are padded at their end with zero rows, which no row before
+            # them reads. No host sync: a round is captured as one graph.
             n, ids = meta.state_ids.shape[0], meta.state_ids
-            raw, g, beta = raw.view(n, -1, raw.shape[-1]), g.view(n, -1, H, d), beta.view(n, -1, H)
+            if meta.dense:
+                raw, g, beta = raw.view(n, -1, raw.shape[-1]), g.view(n, -1, H, d), beta.view(n, -1, H)
+            else:
+                raw, g, beta = (torch.cat([t, t.new_zeros(1, *t.shape[1:])])[meta.q_index] for t in (raw, g, beta))
             q, k, v, _ = self._qkv(raw, self.conv_state[ids])
             out, _ = recurrent(q, k, v, g, beta, self.state[ids])
-            out = out.reshape(T, H, d)
+            if meta.dense:
+                out = out.reshape(T, H, d)
+            else:
+                out = out.new_zeros(T + 1, H, d).index_copy_(0, meta.q_index.reshape(-1), out.flatten(0, 1))[:T]
             rows, at = raw.shape[1], slice(meta.first_seq, meta.first_seq + n)  # a micro-batch's sequences
             self.staged_raw[at, :rows], self.staged_g[at, :rows], self.staged_beta[at, :rows] = raw, g, beta
         else:  # prefill chunks: each sequence's rows through the chunked form, state updated

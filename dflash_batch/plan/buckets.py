@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from dflash_batch.job import Job, PinnedDrafts
+from dflash_batch.job import AutoDrafts, Job, PinnedDrafts
 
 
 @dataclass(frozen=True)
@@ -17,6 +17,7 @@ class Bucket:
     speculation: bool | str  # True, False or "auto" (engine/schedule.py)
     block_size: int | None  # None: the drafter's own
     drafts: int | None = None  # drafts every round verifies (speculation: {drafts: K}); None: the block's
+    per_row: bool = True  # auto: each row verifies the drafts worth it (engine/row_drafts.py)
 
 
 def plan_buckets(job: Job) -> list[Bucket]:
@@ -24,8 +25,10 @@ def plan_buckets(job: Job) -> list[Bucket]:
     out, low = [], 0
     for i, b in enumerate(specs):
         pinned = b.speculation.drafts if isinstance(b.speculation, PinnedDrafts) else None
+        auto = isinstance(b.speculation, AutoDrafts)
+        speculation = True if pinned is not None else "auto" if auto else b.speculation
         out.append(Bucket(i, f"{low}-{b.max_tokens}", b.max_tokens, b.max_num_seqs or job.engine.max_num_seqs,
-                          True if pinned is not None else b.speculation, b.block_size, pinned))
+                          speculation, b.block_size, pinned, not auto or b.speculation.per_row))
         low = b.max_tokens
     return out
 

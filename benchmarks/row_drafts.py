@@ -1,0 +1,115 @@
+"""Per-row draft counts (engine/row_drafts.py) against the best single number of drafts k chosen in
+hindsight, side by side in one run, on the CPU (where a round's time grows with the tokens it
+verifies).
+
+Two cases, both on the demo pair (jobs/demo/models): (a) the demo job's prompts (word problems of
+three kinds and few-shot prompts, which accept least), greedy; (b) the same prompts, every other
+request sampled at the model card's production settings (temperature 1.0, top_p 0.95), whose
+drafts the target accepts far less often than the greedy rows'. For each batch size
+(max_num_seqs) max(batch, --min-requests) requests, cycled over the prompts (each with its own
+seed), are decoded by one engine in these modes, in turn: every pinned k (speculation {drafts:
+k}; 0: target-only rounds, the drafter's context kept), `speculation: {per_row: false}` (auto, one
+k a round) and `speculation: auto` (per row). Each auto run follows a one-request run of its bucket
+(untimed: the round costs timed the first time) and forgets what that learnt, so the timed run
+learns its acceptance and calibration as a run would. Medians over --repeats; "spread" is (max -
+min) / median of per-row's and the best k's repeats, the larger: ratios closer to 1 than it are
+within the noise. Then the cost curve the choice used: a round's time by drafts verified, at
+each batch size (the schedule's table, timed on padding rows; the line row_widths reads).
+
+usage: python benchmarks/row_drafts.py [--repeats 3] [--threads 1] [--max-new-tokens 64]
+                                       [--batches 1,16,64,128] [--cases a,b] [--min-requests 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.demo_pair import load_demo  # noqa: E402
+from dflash_batch.engine.engine import Engine  # noqa: E402
+from dflash_batch.engine.request import Request, SamplingParams  # noqa: E402
+from dflash_batch.plan.buckets import Bucket  # noqa: E402
+
+BATCHES = (1, 16, 64, 128)
+FIXED = range(8)
+AUTO = ("one k", "per row")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", type=Path, default=ROOT / "jobs/demo/models")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    ap.add_argument("--cases", default="a,b")
+    ap.add_argument("--min-requests", type=int, default=16)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    target, drafter, tok, eos, prompts = load_demo(args.models, every_dataset=True)
+    greedy = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=eos)
+    sampled = dict(greedy, temperature=1.0, top_p=0.95)
+    cases = {"a": ("(a) the demo's prompts, greedy", lambda i: greedy),
+             "b": ("(b) every other request sampled (temperature 1.0, top_p 0.95)",
+                   lambda i: sampled if i % 2 else greedy)}
+    engine = Engine(target, drafter, tok.decode)  # one engine: buckets of the same shape keep their caches
+    curves = {}
+    for case in args.cases.split(","):
+        name, settings = cases[case]
+
+        def decode(bucket: Bucket, count: int) -> float:
+            reqs = [Request((str(i), 0), prompts[i % len(prompts)], SamplingParams(seed=i, **settings(i)))
+                    for i in range(count)]
+            t0 = time.perf_counter()
+            out = list(engine.generate(reqs, bucket))
+            return sum(len(c.token_ids) for c in out) / (time.perf_counter() - t0)
+
+        print(f"\n{name}: tokens/s, median of {args.repeats}")
+        print(f"{'batch':>5} " + " ".join(f"{f'k={k}':>6}" for k in FIXED) + f" {'one k':>6} {'per row':>7} "
+              f"{'best k':>6} {'per row/best':>12} {'per row/one k':>13} {'spread':>6}  drafts verified per kept "
+              "(per row; best k)")
+        for batch in map(int, args.batches.split(",")):
+            count = max(batch, args.min_requests)
+            buckets = {k: Bucket(0, f"k{k}", 1024, batch, True, None, k) for k in FIXED}
+            buckets |= {mode: Bucket(0, mode, 1024, batch, "auto", None, None, mode == "per row") for mode in AUTO}
+            runs = {mode: [] for mode in buckets}
+            kept = {}
+            for _ in range(args.repeats):
+                for mode, bucket in buckets.items():  # in turn: a drift of the machine touches each alike
+                    decode(bucket, 1)  # warm-up: the shape allocated; auto's round costs timed once
+                    if mode in AUTO:
+                        engine.schedules[mode].forget_run()
+                    runs[mode].append(decode(bucket, count))
+                    kept[mode] = engine.schedules[bucket.name].stats()["verified_per_kept"]
+            rates = {mode: statistics.median(r) for mode, r in runs.items()}
+            best = max(FIXED, key=rates.get)
+            spread = max((max(runs[m]) - min(runs[m])) / rates[m] for m in (best, "per row"))
+            print(f"{batch:>5} " + " ".join(f"{rates[k]:>6.0f}" for k in FIXED)
+                  + f" {rates['one k']:>6.0f} {rates['per row']:>7.0f} {best:>6} "
+                  f"{rates['per row'] / rates[best]:>12.2f} {rates['per row'] / rates['one k']:>13.2f} {spread:>6.2f}"
+                  f"  {kept['per row']['per row']}; {kept[best]['one k']}", flush=True)
+            schedule = engine.schedules["per row"]
+            curves[batch] = {size: (costs, schedule.line(int(size), corrected=False))
+                             for size, costs in schedule.stats()["cost_ms"].items()}
+            for mode in buckets:  # the next batch size is a new bucket
+                engine.schedules.pop(buckets[mode].name, None)
+
+    print("\nThe cost curve the choice used: ms a round of `size` rows at k drafts a row (the table, timed "
+          "on padding rows), and its line: ms at no draft + ms a draft verified")
+    for batch, by_size in curves.items():
+        size = str(max(map(int, by_size)))
+        costs, (base, per_draft) = by_size[size]
+        print(f"  batch {batch:>3} (table size {size}): " + " ".join(f"{c:.1f}" for c in costs)
+              + f"  | line {1e3 * base:.1f} + {1e3 * per_draft:.3f} a draft")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Per-row draft counts: each row of a round verifies only the drafts worth verifying.
+
+Every draft a round verifies costs the target a row of its forward, accepted or not. Rows differ:
+the drafter is sure of a code row's whole block and unsure of a story's second draft. The drafter
+says so itself: its probability p of each draft. A `Calibration` turns p into the chance the
+target accepts that draft once the ones before it were, learned from the run's own verified
+drafts (by bins of p, starting from p itself); the chance that drafts 1..j of a row are all
+accepted is the product of theirs, c_j, which falls with j.
+
+A round then verifies, over all rows together, the drafts with the highest c first, for as long
+as they pay (`row_widths`): with m drafts verified it expects R + c_(1) + .. + c_(m) tokens (R
+rows, each emits at least one) in base + per_draft * m seconds (the round's cost line, from the
+timings engine/schedule.py keeps), and it takes the m with the most tokens a second. A row's c
+falls with j, so what a row verifies is always its first drafts. In a round captured as a CUDA
+graph the shape is fixed (n rows x the schedule's width): a draft costs nothing more there, the
+round takes the best drafts that fill it (per_draft = 0), the rest of the shape masked.
+
+The verify then runs the rows' anchors and chosen drafts packed one after the other (a ragged
+forward, `ragged_rows`); a row's drafts past its count are blanked (-1), so none can be accepted,
+and its logits rows past them read its anchor's (finite, never kept). Lossless: every emitted
+token is still the target's own choice at its position.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import TYPE_CHECKING
+
+import torch
+
+from dflash_batch import parallel
+
+if TYPE_CHECKING:
+    from dflash_batch.engine.batch import DecodeBatch
+    from dflash_batch.engine.schedule import Schedule
+    from dflash_batch.engine.sequence import Sequence
+
+# Upper edges of the bins of the drafter's probability of a draft (the last bin runs to 1).
+EDGES = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99)
+PRIOR = 8.0  # trials' weight of the drafter's own word in a bin's chance (each bin's mid-point)
+WINDOW = 4096  # a bin's trials are halved past this, so its chance follows the run
+
+
+class Calibration:
+    """P(a draft is accepted | the drafts before it were), by the bin of the drafter's probability
+    of it, over the run's verified drafts: (hits + PRIOR * mid) / (trials + PRIOR) a bin."""
+
+    def __init__(self):
+        lows = (0.0, *EDGES)
+        self.mids = [(lo + hi) / 2 for lo, hi in zip(lows, (*EDGES, 1.0))]
+        self.trials = [0.0] * len(self.mids)
+        self.hits = [0.0] * len(self.mids)
+
+    def record(self, probs: list[list[float]], verified: list[int], accepted: list[int]) -> None:
+        """Rows whose drafts had these probabilities verified `verified` of them and accepted
+        `accepted`: draft j of a row is a trial if the ones before it were accepted."""
+        for p, v, a in zip(probs, verified, accepted):
+            for j in range(min(a + 1, v)):
+                b = bisect.bisect_right(EDGES, p[j])
+                self.trials[b] += 1
+                self.hits[b] += j < a
+        for b, t in enumerate(self.trials):
+            if t > WINDOW:
+                self.trials[b], self.hits[b] = t / 2, self.hits[b] / 2
+
+    def rates(self) -> list[float]:
+        return [(h + PRIOR * m) / (t + PRIOR) for h, t, m in zip(self.hits, self.trials, self.mids)]
+
+
+def round_params(calibration: Calibration, base: float, per_draft: float) -> list[float]:
+    """What row_widths reads of a round, as DecodeBatch.draft_params holds it: the calibrated
+    chance of each bin, then the round's cost line (seconds at no draft verified, a draft)."""
+    return [*calibration.rates(), base, per_draft]
+
+
+def ready_rows(batch: DecodeBatch, schedule: Schedule, size: int, captured: bool) -> None:
+    """Write what a per-row round of `size` rows reads: the calibration's rates and the round's
+    cost line. A draft costs nothing more in a captured round (its shape is paid) or while the
+    schedule explores (every draft is verified, so each position and bin is measured). Rank 0's
+    on every rank: each timed its own cost table, and ranks that chose apart would run verifies
+    of different shapes."""
+    base, per_draft = schedule.line(size)
+    free = captured or schedule.exploring
+    params = round_params(schedule.calibration, max(base, 1e-9), 0.0 if free else per_draft)
+    parallel.agreed_tensor(batch.draft_params.copy_(torch.tensor(params, dtype=torch.float64)))
+
+
+def learn(calibration: Calibration, batch: DecodeBatch, accepted: list[tuple[int, int, Sequence]]) -> None:
+    """After a per-row round: its sequences' verified drafts are the calibration's trials (those
+    whose round their end cut short are not: their last drafts could not be accepted)."""
+    kept = [(a, v, seq) for a, v, seq in accepted if not seq.finish_reason]
+    if not kept:
+        return
+    probs = batch.draft_probs[:max(seq.row for _, _, seq in kept) + 1].tolist()
+    calibration.record([probs[seq.row] for _, _, seq in kept], [v for _, v, _ in kept], [a for a, _, _ in kept])
+
+
+def row_widths(probs: torch.Tensor, budget: torch.Tensor, edges: torch.Tensor, params: torch.Tensor,
+               most: int) -> torch.Tensor:
+    """Rows verified a sequence (anchor + its drafts), [n], for a round whose drafts have the
+    drafter's probabilities `probs` [n, D]: the drafts that pay, at most `most` in all (see the
+    module). `budget` [n]: tokens each row may still emit (0: padding, which verifies none);
+    `edges`: the bins' (EDGES); `params`: round_params. No host read: a captured round runs it."""
+    n, D = probs.shape
+    rates, cost = params[:-2].to(probs.dtype), params[-2:]
+    chance = torch.cumprod(rates[torch.bucketize(probs, edges, right=True)], 1)
+    room = (budget - 1).clamp(0, D)  # drafts past a row's budget could never be emitted
+    chance = chance.masked_fill(torch.arange(D, device=probs.device) >= room[:, None], 0.0)
+    top, order = chance.flatten().sort(descending=True, stable=True)
+    m = min(most, n * D)
+    top, order = top[:m], order[:m]
+    rows = (budget > 0).sum().to(cost.dtype)
+    tokens = rows + torch.cat([top.new_zeros(1), top.cumsum(0)]).to(cost.dtype)
+    seconds = cost[0] + cost[1] * torch.arange(m + 1, device=probs.device, dtype=cost.dtype)
+    rate = (tokens / seconds).masked_fill(torch.cat([top.new_zeros(1, dtype=torch.bool), top <= 0]), float("-inf"))
+    take = torch.arange(m, device=probs.device) < rate.argmax()  # the first best: the fewer drafts on a tie
+    chosen = torch.zeros(n * D, dtype=torch.bool, device=probs.device).scatter(0, order, take)
+    return 1 + chosen.view(n, D).sum(1)
+
+
+def ragged_rows(widths: torch.Tensor, block: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The packed layout of a verify whose row b runs its first widths[b] of `block` positions,
+    rows one after the other in `tokens` rows (padding past them): (live [n, block], where each
+    position runs [n, block] (`tokens`: not run), the logits row each position reads [n * block])."""
+    live = torch.arange(block, device=widths.device) < widths[:, None]
+    start = (widths.cumsum(0) - widths)[:, None]
+    at = torch.where(live, start + torch.arange(block, device=widths.device), tokens)
+    return live, at, torch.where(live, at, start).reshape(-1)
+
+
+def packed(values: torch.Tensor, at: torch.Tensor, tokens: int, fill: int) -> torch.Tensor:
+    """values [n, block] (or flat) at the packed rows `at` (ragged_rows) -> [tokens]; rows no
+    position runs hold `fill`."""
+    out = values.new_full((tokens + 1,), fill)
+    return out.index_copy_(0, at.reshape(-1), values.reshape(-1))[:tokens]

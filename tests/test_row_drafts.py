@@ -1,0 +1,204 @@
+"""Per-row draft counts (engine/row_drafts.py): each row of a round verifies the drafts worth it.
+
+The choice (`row_widths`) is the best tokens-a-second over every way rows can cut their drafts,
+by brute force; the calibration counts a draft as a trial only where the drafts before it were
+accepted. The ragged verify is lossless: with rows verifying scattered numbers of drafts (the
+choice replaced by a pseudo-random one, so every layout shows up), greedy decoding is the target's
+own, both families in float64, eager and captured (emulated graphs), and the schedule's stats
+count the drafts each row verified. The job file's forms: {per_row: false}, and per_row refused
+where it cannot act."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_batch.build import resolve_engine
+from dflash_batch.engine import engine as engine_module
+from dflash_batch.engine import round as round_module
+from dflash_batch.engine.engine import Engine
+from dflash_batch.engine.row_drafts import EDGES, PRIOR, Calibration, round_params, row_widths
+from dflash_batch.engine.schedule import Schedule
+from dflash_batch.job import JobError, parse_job
+from dflash_batch.plan.buckets import plan_buckets
+from dflash_batch.testing import kimi_pair
+from tests.emulated_graphs import EmulatedGraphs
+from tests.engine_util import F64, bucket, make_drafter, make_target, pair_of_each_family, random_prompts, run
+
+EDGE_TENSOR = torch.tensor(EDGES, dtype=torch.float32)
+
+
+def rate_of(widths: list[int], chance: list[list[float]], rows: int, base: float, per_draft: float) -> float:
+    drafts = sum(w - 1 for w in widths)
+    tokens = rows + sum(sum(c[:w - 1]) for c, w in zip(chance, widths))
+    return tokens / (base + per_draft * drafts)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_choice_is_the_best_rate_over_every_cut(seed):
+    """Every way each row can verify its first j drafts (j up to what its budget allows), within
+    `most` drafts in all: row_widths reaches the best rate there is. Padding rows (budget 0) and
+    rows with one token left verify none."""
+    rng = random.Random(seed)
+    n, D = rng.randint(1, 4), rng.randint(1, 3)
+    probs = torch.tensor([[rng.random() for _ in range(D)] for _ in range(n)], dtype=torch.float32)
+    budget = torch.tensor([rng.choice([0, 1, 2, 3, 9, 9]) for _ in range(n)])
+    calibration = Calibration()
+    calibration.hits = [rng.random() * 5 for _ in calibration.hits]
+    calibration.trials = [h + rng.random() * 5 for h in calibration.hits]
+    base, per_draft = rng.uniform(0.5, 2.0), rng.choice([0.0, rng.uniform(0.01, 0.6)])
+    most = rng.randint(0, n * D)
+    params = torch.tensor(round_params(calibration, base, per_draft), dtype=torch.float64)
+    got = row_widths(probs, budget, EDGE_TENSOR, params, most).tolist()
+
+    rates = calibration.rates()
+    chance = []
+    for row in probs.tolist():  # P(drafts 1..j accepted): the product of each one's bin's rate
+        product, c = 1.0, []
+        for p in row:
+            product *= rates[sum(e <= p for e in EDGES)]
+            c.append(product)
+        chance.append(c)
+    rows = int((budget > 0).sum())
+    rooms = [max(0, min(D, b - 1)) for b in budget.tolist()]
+    cuts = [w for w in itertools.product(*(range(1, r + 2) for r in rooms)) if sum(w) - n <= most]
+    best = max(rate_of(list(w), chance, rows, base, per_draft) for w in cuts)
+    assert all(1 <= w <= r + 1 for w, r in zip(got, rooms)) and sum(got) - n <= most, (got, rooms, most)
+    assert rate_of(got, chance, rows, base, per_draft) == pytest.approx(best, rel=1e-6)
+    if per_draft == 0 and all(r > 0 for r in rates):  # a draft costs nothing: the most that fit
+        assert sum(got) - n == min(most, sum(rooms))
+
+
+def test_the_calibration_counts_a_draft_once_those_before_it_were_accepted():
+    """A row that verified 3 drafts and kept 1 is a trial of drafts 1 and 2 (1 accepted), not of
+    draft 3; one that kept all 3 of 3 is a trial of each. Each bin's estimate leans on the
+    drafter's own probability (the bin's mid-point) with PRIOR trials' weight."""
+    calibration = Calibration()
+    calibration.record([[0.97, 0.55, 0.01], [0.97, 0.97, 0.97]], [3, 3], [1, 3])
+    bin_of = {p: sum(e <= p for e in EDGES) for p in (0.97, 0.55, 0.01)}
+    assert calibration.trials[bin_of[0.97]] == 4 and calibration.hits[bin_of[0.97]] == 4
+    assert calibration.trials[bin_of[0.55]] == 1 and calibration.hits[bin_of[0.55]] == 0
+    assert calibration.trials[bin_of[0.01]] == 0
+    mid = calibration.mids[bin_of[0.55]]
+    assert calibration.rates()[bin_of[0.55]] == pytest.approx(PRIOR * mid / (1 + PRIOR))
+    assert calibration.rates()[bin_of[0.97]] == pytest.approx((4 + PRIOR * 0.965) / (4 + PRIOR))
+
+
+def scattered_widths(probs: torch.Tensor, budget: torch.Tensor, edges: torch.Tensor, params: torch.Tensor,
+                     most: int) -> torch.Tensor:
+    """A stand-in for row_widths: each row 1 .. W rows by its drafts' probabilities' bits (W: the
+    widest the round's rows may average), within what its budget allows. Graph-safe, as the real one."""
+    n, D = probs.shape
+    widest = most // n + 1
+    w = 1 + (probs.double() * 9973).long().sum(1) % widest
+    return torch.minimum(w, (budget - 1).clamp(0, D) + 1)
+
+
+@pytest.fixture
+def ragged(monkeypatch):
+    ragged_rounds(monkeypatch)
+
+
+def ragged_rounds(monkeypatch) -> None:
+    """Auto buckets whose rounds go per row with scattered widths and never stop speculating; a
+    failed round fails the test (the engine would otherwise redo its sequences one at a time)."""
+    monkeypatch.setattr(round_module, "row_widths", scattered_widths)
+    monkeypatch.setattr(Schedule, "time_rounds",
+                        lambda self, run: setattr(self, "costs", {s: [1.0] * self.block for s in self.sizes}))
+    monkeypatch.setattr(Schedule, "pays_nowhere", lambda self: False)
+    monkeypatch.setattr(Schedule, "below_floor", lambda self: False)
+
+    def fail(self, error, *args):
+        raise error
+    monkeypatch.setattr(Engine, "_recover", fail)
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    return pair_of_each_family(tmp_path_factory.mktemp("rows"))
+
+
+def verified_counts(engine: Engine) -> Counter:
+    (schedule,) = engine.schedules.values()
+    return Counter({int(k): c for k, c in schedule.stats()["drafts_verified"]["per row"].items()})
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "captured"])
+@pytest.mark.parametrize("family", ["qwen3", "kimi"])
+def test_ragged_rounds_decode_as_the_target_alone(pairs, ragged, monkeypatch, family, graphs):
+    """Rows verifying scattered numbers of drafts, in one packed verify (eager: exactly the rows
+    chosen; captured: the round's fixed n x W rows, the rest masked), decode greedily as the
+    target does alone; every count 0 .. 7 shows up, and the stats count them."""
+    target, drafter = pairs[family]
+    vocab = kimi_pair.VOCAB if family == "kimi" else 8
+    prompts = random_prompts([40, 3, 90, 17, 60, 8, 25, 33, 5, 71], vocab=vocab, seed=7)
+    want = [c.token_ids for c in run(Engine(target, None, dtype=F64), prompts, bucket(max_num_seqs=4), max_new_tokens=40)]
+    options = {}
+    if graphs:
+        monkeypatch.setattr(engine_module, "RoundGraphs", EmulatedGraphs)
+        options = {"cuda_graphs": True, "capture_sizes": [2, 4]}
+    engine = Engine(target, drafter, dtype=F64, **options)
+    got = run(engine, prompts, bucket(max_num_seqs=4, speculation="auto"), max_new_tokens=40)
+    assert [c.token_ids for c in got] == want
+    counts = verified_counts(engine)
+    assert set(counts) == set(range(8)), counts
+    assert sum(counts.values()) == sum(c.spec.rounds for c in got) - len(got)  # less each one's last round
+    assert sum(c.spec.accepted for c in got) > 0
+
+
+@pytest.mark.numerics
+def test_per_row_off_and_pinned_verify_one_k_for_every_row(pairs, ragged):
+    """{per_row: false} (Bucket.per_row False) and {drafts: K} verify one number a round:
+    no per-row round, and a pinned bucket's rows each verify K (a sequence's last round cut)."""
+    target, drafter = pairs["qwen3"]
+    prompts = random_prompts([40, 3, 90, 17], vocab=8, seed=3)
+    for spec in (bucket(max_num_seqs=4, speculation="auto"), bucket(max_num_seqs=4, drafts=3)):
+        spec = spec.__class__(**{**spec.__dict__, "per_row": False}) if spec.drafts is None else spec
+        engine = Engine(target, drafter, dtype=F64)
+        run(engine, prompts, spec, max_new_tokens=30)
+        stats = next(iter(engine.schedules.values())).stats()
+        assert not stats["drafts_verified"]["per row"] and not stats["per_row"]
+        if spec.drafts is not None:
+            assert set(map(int, stats["drafts_verified"]["one k"])) <= set(range(4))
+            assert Counter(stats["drafts_verified"]["one k"]).most_common(1)[0][0] == "3"
+
+
+def job(pairs_dir: Path, speculation, pp: int = 1):
+    doc = {"input": {"paths": ["x.jsonl"], "prompt_column": "p"},
+           "model": {"target": str(pairs_dir / "target"), "drafter": str(pairs_dir / "drafter"),
+                     "pipeline_parallel_size": pp},
+           "engine": {"max_model_len": 256}, "buckets": [{"max_tokens": 256, "speculation": speculation}],
+           "output": {"dir": "o"}}
+    return parse_job(doc, Path("job.yaml"))
+
+
+@pytest.fixture(scope="module")
+def pair_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pair")
+    make_target(d / "target")
+    make_drafter(d / "drafter", 2)
+    return d
+
+
+def test_the_job_file_forms(pair_dir):
+    """auto is per row; {per_row: false} is auto with one k a round; {drafts: K, per_row: ..} is
+    refused (a pinned K is every row's); per_row true is refused where rounds cannot be ragged
+    (pipeline stages), which auto then runs with one k a round, as the engine line says."""
+    (auto,) = plan_buckets(job(pair_dir, "auto"))
+    (one_k,) = plan_buckets(job(pair_dir, {"per_row": False}))
+    assert (auto.speculation, auto.per_row) == ("auto", True)
+    assert (one_k.speculation, one_k.per_row) == ("auto", False)
+    with pytest.raises(JobError, match="speculation"):
+        job(pair_dir, {"drafts": 3, "per_row": True})
+    assert resolve_engine(job(pair_dir, "auto"), cuda=False).per_row
+    staged = job(pair_dir, "auto", pp=2)
+    setup = resolve_engine(staged, cuda=False)
+    assert not setup.per_row and "per_row_drafts=off" in setup.describe()
+    with pytest.raises(JobError, match=r"per_row: true.*pipeline stages"):
+        resolve_engine(job(pair_dir, {"per_row": True}, pp=2), cuda=False)
