@@ -196,15 +196,15 @@ def assert_tp2_equals_tp1(target_dir: str, drafter_dir: str, prompts: list[list[
 
 def assert_auto_ranks_agree(target_dir: str, drafter_dir: str, prompts: list[list[int]], out_dir: str,
                             port: int, costs_by_rank: list[list[float]], latent_split: bool = False,
-                            stages: int = 1, micro_batches: int = 1) -> None:
+                            stages: int = 1, micro_batches: int = 1, max_new_tokens: int = 24) -> None:
     """An auto bucket on two gloo ranks whose round costs disagree: both ranks verify the drafts
     rank 0 plans (the same accepted drafts every round) and decode what one process decodes
     (`latent_split`: the ranks split the MLA latents; `stages` 2: they are two pipeline stages,
     in `micro_batches` lanes)."""
     import torch.multiprocessing as mp
 
-    expected = generate(target_dir, drafter_dir, prompts, {"max_new_tokens": 24})
-    mp.spawn(run, args=(2, port, target_dir, drafter_dir, prompts, {"greedy": {"max_new_tokens": 24}}, out_dir,
+    expected = generate(target_dir, drafter_dir, prompts, {"max_new_tokens": max_new_tokens})
+    mp.spawn(run, args=(2, port, target_dir, drafter_dir, prompts, {"greedy": {"max_new_tokens": max_new_tokens}}, out_dir,
                         False, "cpu", costs_by_rank, None, latent_split, "torch", stages, True, micro_batches),
              nprocs=2)
     got = [[{k: v for k, v in r.items() if k != "held"} for r in torch.load(Path(out_dir) / f"rank{rank}.pt")["greedy"]]

@@ -38,3 +38,16 @@ def test_tp2_auto_follows_rank_0s_plan(tmp_path):
     prompts = random_prompts([1, 37, 120], seed=6)
     costs = [[1.0] * 8, [1.0] + [100.0] * 7]
     engine_tp_worker.assert_auto_ranks_agree(str(target), str(drafter), prompts, str(tmp_path), free_port(), costs)
+
+
+def test_tp2_rows_choose_their_drafts_by_rank_0s_cost_line(tmp_path):
+    """Per-row draft counts under TP2 (engine/row_drafts.py), past the schedule's exploring rounds,
+    where rank 0's cost line says a draft costs nothing and rank 1's that each costs a tenth of a
+    round: one broadcast a round makes rank 0's line the group's, so both verify the same rows
+    (ranks that chose apart would run verifies of other shapes and their collectives would fail)."""
+    target, drafter = make_target(tmp_path / "target"), tmp_path / "drafter"
+    make_drafter(drafter, 2, block_size=8)
+    prompts = random_prompts([1, 37, 120, 9], seed=6)
+    costs = [[1.0] * 8, [1.0 + 0.8 * k for k in range(8)]]
+    engine_tp_worker.assert_auto_ranks_agree(str(target), str(drafter), prompts, str(tmp_path), free_port(), costs,
+                                             max_new_tokens=64)
