@@ -5,7 +5,7 @@ verifies).
 Two cases, both on the demo pair (jobs/demo/models): (a) the demo job's prompts (word problems of
 three kinds and few-shot prompts, which accept least), greedy; (b) the same prompts, every other
 request sampled at the model card's production settings (temperature 1.0, top_p 0.95), whose
-drafts the target accepts far less often than the greedy rows'. For each batch size
+drafts the target accepts less often than the greedy rows'. For each batch size
 (max_num_seqs) max(batch, --min-requests) requests, cycled over the prompts (each with its own
 seed), are decoded by one engine in these modes, in turn: every pinned k (speculation {drafts:
 k}; 0: target-only rounds, the drafter's context kept), `speculation: {per_row: false}` (auto, one
@@ -14,7 +14,7 @@ k a round) and `speculation: auto` (per row). Each auto run follows a one-reques
 learns its acceptance and calibration as a run would. Medians over --repeats; "spread" is (max -
 min) / median of per-row's and the best k's repeats, the larger: ratios closer to 1 than it are
 within the noise. Then the cost curve the choice used: a round's time by drafts verified, at
-each batch size (the schedule's table, timed on padding rows; the line row_widths reads).
+each batch size (the schedule's table, timed on padding rows: what row_widths reads).
 
 usage: python benchmarks/row_drafts.py [--repeats 3] [--threads 1] [--max-new-tokens 64]
                                        [--batches 1,16,64,128] [--cases a,b] [--min-requests 16]
@@ -57,13 +57,13 @@ def main() -> None:
     target, drafter, tok, eos, prompts = load_demo(args.models, every_dataset=True)
     greedy = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=eos)
     sampled = dict(greedy, temperature=1.0, top_p=0.95)
-    cases = {"a": ("(a) the demo's prompts, greedy", lambda i: greedy),
-             "b": ("(b) every other request sampled (temperature 1.0, top_p 0.95)",
+    cases = {"a": ("(a) demo pair, the demo's prompts, greedy", lambda i: greedy),
+             "b": ("(b) demo pair, every other request sampled (temperature 1.0, top_p 0.95)",
                    lambda i: sampled if i % 2 else greedy)}
-    engine = Engine(target, drafter, tok.decode)  # one engine: buckets of the same shape keep their caches
     curves = {}
     for case in args.cases.split(","):
         name, settings = cases[case]
+        engine = Engine(target, drafter, tok.decode)  # one engine: buckets of the same shape keep their caches
 
         def decode(bucket: Bucket, count: int) -> float:
             reqs = [Request((str(i), 0), prompts[i % len(prompts)], SamplingParams(seed=i, **settings(i)))
@@ -97,18 +97,16 @@ def main() -> None:
                   f"{rates['per row'] / rates[best]:>12.2f} {rates['per row'] / rates['one k']:>13.2f} {spread:>6.2f}"
                   f"  {kept['per row']['per row']}; {kept[best]['one k']}", flush=True)
             schedule = engine.schedules["per row"]
-            curves[batch] = {size: (costs, schedule.line(int(size), corrected=False))
-                             for size, costs in schedule.stats()["cost_ms"].items()}
+            curves[batch] = schedule.stats()["cost_ms"]
             for mode in buckets:  # the next batch size is a new bucket
                 engine.schedules.pop(buckets[mode].name, None)
 
-    print("\nThe cost curve the choice used: ms a round of `size` rows at k drafts a row (the table, timed "
-          "on padding rows), and its line: ms at no draft + ms a draft verified")
+    print("\nThe cost curve the choice used: ms a round of `size` rows at k = 0 .. 7 drafts a row (the "
+          "schedule's table, timed on padding rows, with the correction the rounds run made; k = 0 drafts "
+          "nothing; per row reads k >= 1, never falling)")
     for batch, by_size in curves.items():
         size = str(max(map(int, by_size)))
-        costs, (base, per_draft) = by_size[size]
-        print(f"  batch {batch:>3} (table size {size}): " + " ".join(f"{c:.1f}" for c in costs)
-              + f"  | line {1e3 * base:.1f} + {1e3 * per_draft:.3f} a draft")
+        print(f"  batch {batch:>3} (table size {size}): " + " ".join(f"{c:.1f}" for c in by_size[size]))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from dflash_batch.build import resolve_engine
 from dflash_batch.engine import engine as engine_module
 from dflash_batch.engine import round as round_module
 from dflash_batch.engine.engine import Engine
+from dflash_batch.engine.request import Request, SamplingParams
 from dflash_batch.engine.row_drafts import EDGES, PRIOR, Calibration, round_params, row_widths
 from dflash_batch.engine.schedule import Schedule
 from dflash_batch.job import JobError, parse_job
@@ -33,64 +34,84 @@ from tests.engine_util import F64, bucket, make_drafter, make_target, pair_of_ea
 EDGE_TENSOR = torch.tensor(EDGES, dtype=torch.float32)
 
 
-def rate_of(widths: list[int], chance: list[list[float]], rows: int, base: float, per_draft: float) -> float:
+def seconds(drafts: int, size: int, costs: list[float]) -> float:
+    """The curve through (size x k, costs[k - 1]), extended along its end pieces."""
+    if len(costs) == 1:
+        return costs[0]
+    points = [(size * (k + 1), c) for k, c in enumerate(costs)]
+    (x0, y0), (x1, y1) = next(((a, b) for a, b in zip(points, points[1:]) if drafts <= b[0]), points[-2:])
+    return y0 + (drafts - x0) * (y1 - y0) / (x1 - x0)
+
+
+def rate_of(widths: list[int], chance: list[list[float]], rows: int, size: int, costs: list[float]) -> float:
     drafts = sum(w - 1 for w in widths)
     tokens = rows + sum(sum(c[:w - 1]) for c, w in zip(chance, widths))
-    return tokens / (base + per_draft * drafts)
+    return tokens / seconds(drafts, size, costs)
 
 
 @pytest.mark.parametrize("seed", range(12))
 def test_the_choice_is_the_best_rate_over_every_cut(seed):
     """Every way each row can verify its first j drafts (j up to what its budget allows), within
-    `most` drafts in all: row_widths reaches the best rate there is. Padding rows (budget 0) and
-    rows with one token left verify none."""
+    `most` drafts in all, on a cost curve rising in steps of any size (flat: the most that fit):
+    row_widths reaches the best rate there is. Padding rows (budget 0) and rows with one token
+    left verify none."""
     rng = random.Random(seed)
     n, D = rng.randint(1, 4), rng.randint(1, 3)
     probs = torch.tensor([[rng.random() for _ in range(D)] for _ in range(n)], dtype=torch.float32)
     budget = torch.tensor([rng.choice([0, 1, 2, 3, 9, 9]) for _ in range(n)])
+    sampled = torch.tensor([rng.random() < 0.5 for _ in range(n)])
     calibration = Calibration()
     calibration.hits = [rng.random() * 5 for _ in calibration.hits]
     calibration.trials = [h + rng.random() * 5 for h in calibration.hits]
-    base, per_draft = rng.uniform(0.5, 2.0), rng.choice([0.0, rng.uniform(0.01, 0.6)])
+    size = rng.randint(n, 6)
+    flat = seed % 3 == 0  # a draft costs nothing: the most that fit
+    costs = list(itertools.accumulate(rng.uniform(1.0, 2.0) if k == 0 else 0.0 if flat else rng.uniform(0, 0.6)
+                                      for k in range(D)))
     most = rng.randint(0, n * D)
-    params = torch.tensor(round_params(calibration, base, per_draft), dtype=torch.float64)
-    got = row_widths(probs, budget, EDGE_TENSOR, params, most).tolist()
+    params = torch.tensor(round_params(calibration, size, costs), dtype=torch.float64)
+    got = row_widths(probs, budget, sampled, EDGE_TENSOR, params, most).tolist()
 
     rates = calibration.rates()
     chance = []
-    for row in probs.tolist():  # P(drafts 1..j accepted): the product of each one's bin's rate
+    for row, kind in zip(probs.tolist(), sampled.tolist()):  # P(drafts 1..j accepted): the product of their rates
         product, c = 1.0, []
         for p in row:
-            product *= rates[sum(e <= p for e in EDGES)]
+            product *= rates[sum(e <= p for e in EDGES) + kind * (len(EDGES) + 1)]
             c.append(product)
         chance.append(c)
     rows = int((budget > 0).sum())
     rooms = [max(0, min(D, b - 1)) for b in budget.tolist()]
     cuts = [w for w in itertools.product(*(range(1, r + 2) for r in rooms)) if sum(w) - n <= most]
-    best = max(rate_of(list(w), chance, rows, base, per_draft) for w in cuts)
+    best = max(rate_of(list(w), chance, rows, size, costs) for w in cuts)
     assert all(1 <= w <= r + 1 for w, r in zip(got, rooms)) and sum(got) - n <= most, (got, rooms, most)
-    assert rate_of(got, chance, rows, base, per_draft) == pytest.approx(best, rel=1e-6)
-    if per_draft == 0 and all(r > 0 for r in rates):  # a draft costs nothing: the most that fit
+    assert rate_of(got, chance, rows, size, costs) == pytest.approx(best, rel=1e-6)
+    if flat:
         assert sum(got) - n == min(most, sum(rooms))
 
 
 def test_the_calibration_counts_a_draft_once_those_before_it_were_accepted():
     """A row that verified 3 drafts and kept 1 is a trial of drafts 1 and 2 (1 accepted), not of
-    draft 3; one that kept all 3 of 3 is a trial of each. Each bin's estimate leans on the
-    drafter's own probability (the bin's mid-point) with PRIOR trials' weight."""
+    draft 3; one that kept all 3 of 3 is a trial of each; a sampling row's trials go to its own
+    bins. Each bin's estimate leans on the drafter's own probability (the bin's mid-point) with
+    PRIOR trials' weight."""
     calibration = Calibration()
-    calibration.record([[0.97, 0.55, 0.01], [0.97, 0.97, 0.97]], [3, 3], [1, 3])
-    bin_of = {p: sum(e <= p for e in EDGES) for p in (0.97, 0.55, 0.01)}
+    calibration.record([[0.97, 0.55, 0.01], [0.97, 0.97, 0.97], [0.97, 0.55, 0.2]], [3, 3, 2], [1, 3, 0],
+                       [False, False, True])
+    bin_of = {p: sum(e <= p for e in EDGES) for p in (0.97, 0.55, 0.2, 0.01)}
+    sampling = len(EDGES) + 1  # a sampling row's bins come after the greedy rows'
     assert calibration.trials[bin_of[0.97]] == 4 and calibration.hits[bin_of[0.97]] == 4
     assert calibration.trials[bin_of[0.55]] == 1 and calibration.hits[bin_of[0.55]] == 0
     assert calibration.trials[bin_of[0.01]] == 0
+    assert calibration.trials[sampling + bin_of[0.97]] == 1 and calibration.hits[sampling + bin_of[0.97]] == 0
+    assert sum(calibration.trials[sampling:]) == 1
     mid = calibration.mids[bin_of[0.55]]
     assert calibration.rates()[bin_of[0.55]] == pytest.approx(PRIOR * mid / (1 + PRIOR))
     assert calibration.rates()[bin_of[0.97]] == pytest.approx((4 + PRIOR * 0.965) / (4 + PRIOR))
+    assert calibration.rates()[sampling + bin_of[0.97]] == pytest.approx(PRIOR * 0.965 / (1 + PRIOR))
 
 
-def scattered_widths(probs: torch.Tensor, budget: torch.Tensor, edges: torch.Tensor, params: torch.Tensor,
-                     most: int) -> torch.Tensor:
+def scattered_widths(probs: torch.Tensor, budget: torch.Tensor, sampled: torch.Tensor, edges: torch.Tensor,
+                     params: torch.Tensor, most: int) -> torch.Tensor:
     """A stand-in for row_widths: each row 1 .. W rows by its drafts' probabilities' bits (W: the
     widest the round's rows may average), within what its budget allows. Graph-safe, as the real one."""
     n, D = probs.shape
@@ -150,6 +171,27 @@ def test_ragged_rounds_decode_as_the_target_alone(pairs, ragged, monkeypatch, fa
     assert set(counts) == set(range(8)), counts
     assert sum(counts.values()) == sum(c.spec.rounds for c in got) - len(got)  # less each one's last round
     assert sum(c.spec.accepted for c in got) > 0
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("family", ["qwen3", "kimi"])
+def test_ragged_rounds_sample_as_the_target_alone(pairs, ragged, family):
+    """Rows of mixed sampling settings (temperatures, top-k/p, min-p, penalties, stop ids) verifying
+    scattered counts: each emitted token is the target's seeded sample at its position, so the
+    outputs are target-only decoding's at the same seeds (float64)."""
+    target, drafter = pairs[family]
+    vocab = kimi_pair.VOCAB if family == "kimi" else 8
+    settings = [dict(temperature=1.0, repetition_penalty=1.4), dict(frequency_penalty=0.6, presence_penalty=0.9),
+                dict(temperature=0.7, top_k=3), dict(temperature=1.3, top_p=0.8, presence_penalty=0.5),
+                dict(temperature=1.5, min_p=0.2, stop_token_ids=(3,)), dict()]
+    prompts = random_prompts([5, 31, 12, 2, 47, 9], vocab=vocab, seed=8)
+    reqs = [Request((str(i), 0), p, SamplingParams(max_new_tokens=30, seed=900 + i, **s))
+            for i, (p, s) in enumerate(zip(prompts, settings))]
+    want = {c.key: c.token_ids for c in Engine(target, None, dtype=F64).generate(iter(reqs), bucket(max_num_seqs=4))}
+    engine = Engine(target, drafter, dtype=F64)
+    got = {c.key: c.token_ids for c in engine.generate(iter(reqs), bucket(max_num_seqs=4, speculation="auto"))}
+    assert got == want
+    assert len(verified_counts(engine)) >= 5, verified_counts(engine)
 
 
 @pytest.mark.numerics

@@ -87,7 +87,7 @@ class DecodeBatch:
         # a round, and what the round's choice reads (the calibration's rates, the cost line).
         self.draft_probs = full((rows, block - 1), 0.0, torch.float32)
         self.draft_edges = torch.tensor(EDGES, dtype=torch.float32, device=device)
-        self.draft_params = full((len(EDGES) + 3,), 0.0, torch.float64)
+        self.draft_params = full((2 * len(EDGES) + 2 + block,), 0.0, torch.float64)  # row_drafts.round_params
         self.q_index = torch.arange(rows * block, device=device).view(rows, block)
         self.row_ids = torch.arange(rows, device=device)  # a round's sequence b runs in row b
         self.no_rows = full((0,), 0)

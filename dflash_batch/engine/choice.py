@@ -87,8 +87,10 @@ def _edited_sample(b: DecodeBatch, s: int, e: int, W: int, logits: torch.Tensor,
     if b.bias is not None:
         add_bias_(logits, per_verify_row(b.bias_ids), per_verify_row(b.bias))
     if b.counts is not None:
-        penalize_(logits, b.counts[s:e], b.in_prompt[s:e], b.ids[s:e, 1:W], b.repetition[s:e], b.frequency[s:e],
-                  b.presence[s:e])
+        # A row verifying fewer drafts than W (engine/row_drafts.py) has blanks (-1) past them; read
+        # as token 0, they change only the rows past its count, which it never keeps.
+        penalize_(logits, b.counts[s:e], b.in_prompt[s:e], b.ids[s:e, 1:W].clamp_min(0), b.repetition[s:e],
+                  b.frequency[s:e], b.presence[s:e])
     held = (positions + 1).view(n, W) < b.min_stop_pos[s:e, None]
     hold_stops_(logits, per_verify_row(b.stop_ids), held.reshape(-1))
     if constrained:

@@ -126,7 +126,8 @@ class Round:
                 hidden = self.drafter(draft_ids, meta("draft", draft_kv, logits_rows=b.no_rows), block_size=B)
                 if per_row:
                     ids[:, 1:], b.draft_probs[:n] = self.drafter.propose_scored(hidden.view(n, B, -1), ids[:, 0])
-                    widths = row_widths(b.draft_probs[:n], b.budget[:n], b.draft_edges, b.draft_params, n * (W - 1))
+                    widths = row_widths(b.draft_probs[:n], b.budget[:n], b.temperature[:n, 0] > 0, b.draft_edges,
+                                        b.draft_params, n * (W - 1))
                     ids.masked_fill_(torch.arange(B, device=ids.device) >= widths[:, None], -1)
                 else:
                     ids[:, 1:] = self.drafter.propose(hidden.view(n, B, -1), ids[:, 0])

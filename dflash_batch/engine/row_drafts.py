@@ -9,11 +9,12 @@ accepted is the product of theirs, c_j, which falls with j.
 
 A round then verifies, over all rows together, the drafts with the highest c first, for as long
 as they pay (`row_widths`): with m drafts verified it expects R + c_(1) + .. + c_(m) tokens (R
-rows, each emits at least one) in base + per_draft * m seconds (the round's cost line, from the
-timings engine/schedule.py keeps), and it takes the m with the most tokens a second. A row's c
-falls with j, so what a row verifies is always its first drafts. In a round captured as a CUDA
-graph the shape is fixed (n rows x the schedule's width): a draft costs nothing more there, the
-round takes the best drafts that fill it (per_draft = 0), the rest of the shape masked.
+rows, each emits at least one) in the seconds the bucket's cost curve gives m (the timings
+engine/schedule.py keeps of rounds at each k, read between its points: `seconds_at`), and it
+takes the m with the most tokens a second. A row's c falls with j, so what a row verifies is
+always its first drafts. In a round captured as a CUDA graph the shape is fixed (n rows x the
+schedule's width): a draft costs nothing more there, the round takes the best drafts that fill
+it (a flat curve), the rest of the shape masked.
 
 The verify then runs the rows' anchors and chosen drafts packed one after the other (a ragged
 forward, `ragged_rows`); a row's drafts past its count are blanked (-1), so none can be accepted,
@@ -43,20 +44,23 @@ WINDOW = 4096  # a bin's trials are halved past this, so its chance follows the 
 
 class Calibration:
     """P(a draft is accepted | the drafts before it were), by the bin of the drafter's probability
-    of it, over the run's verified drafts: (hits + PRIOR * mid) / (trials + PRIOR) a bin."""
+    of it and whether the row samples (the drafter proposes the greedy path: a sampling row takes
+    it less often at the same confidence), over the run's verified drafts: (hits + PRIOR * mid) /
+    (trials + PRIOR) a bin, greedy rows' bins first."""
 
     def __init__(self):
         lows = (0.0, *EDGES)
-        self.mids = [(lo + hi) / 2 for lo, hi in zip(lows, (*EDGES, 1.0))]
+        self.mids = [(lo + hi) / 2 for lo, hi in zip(lows, (*EDGES, 1.0))] * 2
         self.trials = [0.0] * len(self.mids)
         self.hits = [0.0] * len(self.mids)
 
-    def record(self, probs: list[list[float]], verified: list[int], accepted: list[int]) -> None:
+    def record(self, probs: list[list[float]], verified: list[int], accepted: list[int], sampled: list[bool]) -> None:
         """Rows whose drafts had these probabilities verified `verified` of them and accepted
-        `accepted`: draft j of a row is a trial if the ones before it were accepted."""
-        for p, v, a in zip(probs, verified, accepted):
+        `accepted` (`sampled`: the row samples): draft j of a row is a trial if the ones before
+        it were accepted."""
+        for p, v, a, kind in zip(probs, verified, accepted, sampled):
             for j in range(min(a + 1, v)):
-                b = bisect.bisect_right(EDGES, p[j])
+                b = bisect.bisect_right(EDGES, p[j]) + kind * (len(EDGES) + 1)
                 self.trials[b] += 1
                 self.hits[b] += j < a
         for b, t in enumerate(self.trials):
@@ -67,22 +71,36 @@ class Calibration:
         return [(h + PRIOR * m) / (t + PRIOR) for h, t, m in zip(self.hits, self.trials, self.mids)]
 
 
-def round_params(calibration: Calibration, base: float, per_draft: float) -> list[float]:
+def round_params(calibration: Calibration, size: int, costs: list[float]) -> list[float]:
     """What row_widths reads of a round, as DecodeBatch.draft_params holds it: the calibrated
-    chance of each bin, then the round's cost line (seconds at no draft verified, a draft)."""
-    return [*calibration.rates(), base, per_draft]
+    chance of each bin (greedy rows', then sampling rows'), then the round's cost curve: a round of `size` rows verifying k drafts
+    each takes costs[k - 1] seconds, k = 1 .. block - 1 (engine/schedule.py's table)."""
+    return [*calibration.rates(), size, *costs]
 
 
-def ready_rows(batch: DecodeBatch, schedule: Schedule, size: int, captured: bool) -> None:
-    """Write what a per-row round of `size` rows reads: the calibration's rates and the round's
-    cost line. A draft costs nothing more in a captured round (its shape is paid) or while the
-    schedule explores (every draft is verified, so each position and bin is measured). Rank 0's
-    on every rank: each timed its own cost table, and ranks that chose apart would run verifies
-    of different shapes."""
-    base, per_draft = schedule.line(size)
-    free = captured or schedule.exploring
-    params = round_params(schedule.calibration, max(base, 1e-9), 0.0 if free else per_draft)
+def ready_rows(batch: DecodeBatch, schedule: Schedule, n: int, captured: bool) -> None:
+    """Write what a per-row round of n rows reads: the calibration's rates and the round's cost
+    curve. A draft costs nothing more in a captured round (its shape is paid) or while the
+    schedule explores (every draft is verified, so each position and bin is measured): the curve
+    is flat there. Rank 0's on every rank: each timed its own cost table, and ranks that chose
+    apart would run verifies of different shapes."""
+    size, costs = schedule.curve(n)
+    if captured or schedule.exploring:
+        costs = [costs[-1]] * len(costs)
+    params = round_params(schedule.calibration, size, costs)
     parallel.agreed_tensor(batch.draft_params.copy_(torch.tensor(params, dtype=torch.float64)))
+
+
+def seconds_at(drafts: torch.Tensor, size: torch.Tensor | float, costs: torch.Tensor) -> torch.Tensor:
+    """A round's seconds verifying `drafts` drafts in all, on the cost curve of rounds of `size`
+    rows (costs[k - 1]: k drafts each): linear between the curve's points (drafts = size x k),
+    and past its ends along its first and last pieces (flat where it has one point)."""
+    if costs.numel() == 1:
+        return costs[0].expand(drafts.shape)
+    k = drafts.to(costs.dtype) / size
+    piece = (k.floor() - 1).clamp(0, costs.numel() - 2).long()
+    low, high = costs[piece], costs[piece + 1]
+    return low + (k - 1 - piece) * (high - low)
 
 
 def learn(calibration: Calibration, batch: DecodeBatch, accepted: list[tuple[int, int, Sequence]]) -> None:
@@ -92,26 +110,30 @@ def learn(calibration: Calibration, batch: DecodeBatch, accepted: list[tuple[int
     if not kept:
         return
     probs = batch.draft_probs[:max(seq.row for _, _, seq in kept) + 1].tolist()
-    calibration.record([probs[seq.row] for _, _, seq in kept], [v for _, v, _ in kept], [a for a, _, _ in kept])
+    calibration.record([probs[seq.row] for _, _, seq in kept], [v for _, v, _ in kept], [a for a, _, _ in kept],
+                       [seq.params.temperature > 0 for _, _, seq in kept])
 
 
-def row_widths(probs: torch.Tensor, budget: torch.Tensor, edges: torch.Tensor, params: torch.Tensor,
-               most: int) -> torch.Tensor:
+def row_widths(probs: torch.Tensor, budget: torch.Tensor, sampled: torch.Tensor, edges: torch.Tensor,
+               params: torch.Tensor, most: int) -> torch.Tensor:
     """Rows verified a sequence (anchor + its drafts), [n], for a round whose drafts have the
     drafter's probabilities `probs` [n, D]: the drafts that pay, at most `most` in all (see the
     module). `budget` [n]: tokens each row may still emit (0: padding, which verifies none);
-    `edges`: the bins' (EDGES); `params`: round_params. No host read: a captured round runs it."""
+    `sampled` [n]: the row samples; `edges`: the bins' (EDGES); `params`: round_params. No host
+    read: a captured round runs it."""
     n, D = probs.shape
-    rates, cost = params[:-2].to(probs.dtype), params[-2:]
-    chance = torch.cumprod(rates[torch.bucketize(probs, edges, right=True)], 1)
+    bins = edges.numel() + 1
+    rates, size, costs = params[:2 * bins].to(probs.dtype), params[2 * bins], params[2 * bins + 1:]
+    at = torch.bucketize(probs, edges, right=True) + bins * sampled[:, None].long()
+    chance = torch.cumprod(rates[at], 1)
     room = (budget - 1).clamp(0, D)  # drafts past a row's budget could never be emitted
     chance = chance.masked_fill(torch.arange(D, device=probs.device) >= room[:, None], 0.0)
     top, order = chance.flatten().sort(descending=True, stable=True)
     m = min(most, n * D)
     top, order = top[:m], order[:m]
-    rows = (budget > 0).sum().to(cost.dtype)
-    tokens = rows + torch.cat([top.new_zeros(1), top.cumsum(0)]).to(cost.dtype)
-    seconds = cost[0] + cost[1] * torch.arange(m + 1, device=probs.device, dtype=cost.dtype)
+    rows = (budget > 0).sum().to(costs.dtype)
+    tokens = rows + torch.cat([top.new_zeros(1), top.cumsum(0)]).to(costs.dtype)
+    seconds = seconds_at(torch.arange(m + 1, device=probs.device), size, costs)
     rate = (tokens / seconds).masked_fill(torch.cat([top.new_zeros(1, dtype=torch.bool), top <= 0]), float("-inf"))
     take = torch.arange(m, device=probs.device) < rate.argmax()  # the first best: the fewer drafts on a tie
     chosen = torch.zeros(n * D, dtype=torch.bool, device=probs.device).scatter(0, order, take)

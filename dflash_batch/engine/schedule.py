@@ -29,8 +29,11 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import accumulate
 
-from dflash_batch.engine.row_drafts import Calibration
+import torch
+
+from dflash_batch.engine.row_drafts import Calibration, seconds_at
 
 EXPLORE = 32  # sequence-rounds verified at the whole block before any decision
 EARLY = 8  # ... unless after this many even an optimistic estimate says the drafts pay nowhere
@@ -147,18 +150,14 @@ class Schedule:
     def cost(self, size: int, k: int) -> float:
         return self.costs[size][k] + self.correction.get(size, 0.0)
 
-    def line(self, n: int, corrected: bool = True) -> tuple[float, float]:
-        """The cost of a round of n rows as a line in the drafts it verifies in all: (seconds at
-        none, seconds a draft), fitted by least squares to its table size's costs at k >= 1
-        (each drafts; k = 0 does not); the slope at least 0. `corrected`: the base with the
-        size's correction (what the rounds run took beyond the table)."""
+    def curve(self, n: int, corrected: bool = True) -> tuple[int, list[float]]:
+        """The cost curve of a round of n rows: its table size and the seconds of a round of that
+        many rows at k = 1 .. B - 1 drafts each (each drafts; k = 0 does not), never falling as k
+        grows (a 2-core timing is noisy). `corrected`: with the size's correction (what the
+        rounds run took beyond the table)."""
         size = self.size_of(n)
-        ks = range(1, self.block) if self.block > 2 else range(self.block)
-        xs, ys = [size * k for k in ks], [self.costs[size][k] for k in ks]
-        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        spread = sum((x - mx) ** 2 for x in xs)
-        slope = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / spread) if spread else 0.0
-        return my - slope * mx + (self.correction.get(size, 0.0) if corrected else 0.0), slope
+        shift = self.correction.get(size, 0.0) if corrected else 0.0
+        return size, list(accumulate((c + shift for c in self.costs[size][1:]), max))
 
     @property
     def exploring(self) -> bool:
@@ -248,8 +247,9 @@ class Schedule:
         self.verified[mode].update(verified)
         self.kept[mode] += sum(accepted)
         if size in self.costs:
-            base, per_draft = self.line(n, corrected=False)
-            miss = seconds - (self.costs[size][k] if drafts is None else base + per_draft * drafts)
+            predicted = self.costs[size][k] if drafts is None else float(
+                seconds_at(torch.tensor(drafts), size, torch.tensor(self.curve(n, corrected=False)[1])))
+            miss = seconds - predicted
             self.correction[size] = (1 - REFRESH) * self.correction.get(size, miss) + REFRESH * miss
 
     def stats(self) -> dict:
