@@ -135,13 +135,17 @@ class Round:
                 parallel.from_last_stage(ids)
         if per_row and W > 1:
             widths = (ids >= 0).sum(1)  # the anchor and the drafts left (row_widths blanked the rest)
-            tokens = n * W if fixed else int(widths.sum())
-            live, at, logits_rows = ragged_rows(widths, B, tokens)
-            return positions, meta("verify", verify_kv - (B - widths), positions=packed(positions, at, tokens, 0),
-                                   slots=packed(slots, at, tokens, -1), q_index=at,
-                                   q_positions=torch.where(live, positions.view(n, B), -1), dense=False,
-                                   logits_rows=logits_rows, state_ids=b.state_slot[:n], stage=self.recurrent,
-                                   first_seq=b.first_row), packed(ids, at, tokens, 0)
+            if fixed:  # a captured round's shape: n x W rows, a row up to the block
+                tokens, span = n * W, B
+            else:  # the rows chosen, each sequence laid out as wide as the widest (KDA steps through it)
+                tokens, span = torch.stack([widths.sum(), widths.max()]).tolist()
+            live, at, logits_rows = ragged_rows(widths, span, tokens)
+            grid = positions.view(n, B)[:, :span]
+            verify = meta("verify", verify_kv - (B - widths), positions=packed(grid, at, tokens, 0),
+                          slots=packed(slots.view(n, B)[:, :span], at, tokens, -1), q_index=at,
+                          q_positions=torch.where(live, grid, -1), dense=False, logits_rows=logits_rows,
+                          state_ids=b.state_slot[:n], stage=self.recurrent, first_seq=b.first_row)
+            return grid.reshape(-1), verify, packed(ids[:, :span], at, tokens, 0)
         if W == B:
             return positions, meta("verify", verify_kv, logits_rows=b.q_index[:n].reshape(-1),
                                    state_ids=b.state_slot[:n], stage=self.recurrent, micro_batches=groups,
