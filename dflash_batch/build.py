@@ -192,9 +192,9 @@ def resolve_engine(job: Job, cuda: bool | None = None, flashinfer: bool | None =
             raise JobError(f"engine.cudagraph_capture_sizes {sizes} must reach every bucket's max_num_seqs "
                            f"(the largest is {largest})")
     why_no_per_row = (
-        "flashinfer lays a round out on the host before its drafts exist (one number of drafts a round)"
-        if backend == "flashinfer" else
-        "pipeline stages verify one number of drafts a round" if pp > 1 else None)
+        "pipeline stages verify one number of drafts a round" if pp > 1 else
+        "flashinfer lays a captured round out on the host before its drafts exist (engine.cuda_graphs: false "
+        "runs rounds eagerly, each row its own count)" if backend == "flashinfer" and graphs else None)
     asked = [b.max_tokens for b in job.resolved_buckets() if getattr(b.speculation, "per_row", False)]
     if asked and why_no_per_row:
         raise JobError(f"bucket {asked[0]}: speculation {{per_row: true}} cannot take effect: {why_no_per_row} "

@@ -247,8 +247,8 @@ class BucketSpec(_Strict):
         True, description="Use the drafter in this bucket (if one is configured), verifying its whole block. "
         "auto: verify, at each batch size, the number of drafts that yields the most tokens per second by "
         "the round costs timed on this device and the acceptance seen so far, each row the drafts worth "
-        "verifying by the drafter's confidence in them (on the torch backend, one stage; elsewhere one "
-        "number a round); turn the drafter off when that is none at any batch size or the acceptance length "
+        "verifying by the drafter's confidence in them (one stage, and not on flashinfer under CUDA graphs; "
+        "elsewhere one number a round); turn the drafter off when that is none at any batch size or the acceptance length "
         "falls below engine.auto_speculation.min_acc_len (needs model.drafter). {per_row: false}: auto with "
         "one number of drafts for every row of a round. {drafts: K}: verify K drafts a round, every row.")
     block_size: int | None = Field(None, ge=2, le=64, description="Verify width (anchor + drafts); "

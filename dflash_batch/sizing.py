@@ -422,7 +422,7 @@ class _Planned:
     def __init__(self, backend: str, latent_split: int = 1):
         self.name = backend
         self.split = LatentSplit(latent_split, 0) if latent_split > 1 else None  # rank 0's rows
-        self.ragged_rounds = backend == "torch"
+        self.plans_on_host = backend == "flashinfer"
 
     def reads_rings(self, latent: bool) -> bool:
         return latent or self.name == "torch"

@@ -11,6 +11,7 @@ where it cannot act."""
 from __future__ import annotations
 
 import itertools
+import json
 import random
 from collections import Counter
 from pathlib import Path
@@ -28,8 +29,9 @@ from dflash_batch.engine.schedule import Schedule
 from dflash_batch.job import JobError, parse_job
 from dflash_batch.plan.buckets import plan_buckets
 from dflash_batch.testing import kimi_pair
+from tests import fake_flashinfer
 from tests.emulated_graphs import EmulatedGraphs
-from tests.engine_util import F64, bucket, make_drafter, make_target, pair_of_each_family, random_prompts, run
+from tests.engine_util import F64, bucket, pair_of_each_family, random_prompts, run
 
 EDGE_TENSOR = torch.tensor(EDGES, dtype=torch.float32)
 
@@ -174,6 +176,25 @@ def test_ragged_rounds_decode_as_the_target_alone(pairs, ragged, monkeypatch, fa
 
 
 @pytest.mark.numerics
+def test_ragged_rounds_on_flashinfer_decode_as_the_target_alone(ragged, monkeypatch, tmp_path):
+    """flashinfer lays a round out on the host: an eager ragged verify is planned after its draft,
+    each row its own query count (its MLA wrapper emulated: tests/fake_flashinfer.py). The tiny
+    Kimi-K3 + DFlash2-MLA pair decodes greedily and sampled as the torch backend's target alone."""
+    fake_flashinfer.install(monkeypatch)
+    from dflash_batch.backends.flashinfer_attention import FlashInferAttention
+
+    # A window of 10: flashinfer's takes no window shorter than the block.
+    target, drafter = kimi_pair.load_pair(*kimi_pair.make_kimi_pair(tmp_path, window=10), F64)
+    prompts = random_prompts([40, 3, 90, 17, 60, 8], vocab=kimi_pair.VOCAB, seed=5)
+    for sampling in (dict(), dict(temperature=1.0, top_p=0.9)):
+        want = run(Engine(target, None, dtype=F64), prompts, bucket(max_num_seqs=4), max_new_tokens=30, **sampling)
+        engine = Engine(target, drafter, dtype=F64, attention=FlashInferAttention("cpu", workspace_bytes=1024))
+        got = run(engine, prompts, bucket(max_num_seqs=4, speculation="auto"), max_new_tokens=30, **sampling)
+        assert [c.token_ids for c in got] == [c.token_ids for c in want]
+        assert len(verified_counts(engine)) >= 5, verified_counts(engine)
+
+
+@pytest.mark.numerics
 @pytest.mark.parametrize("family", ["qwen3", "kimi"])
 def test_ragged_rounds_sample_as_the_target_alone(pairs, ragged, family):
     """Rows of mixed sampling settings (temperatures, top-k/p, min-p, penalties, stop ids) verifying
@@ -211,27 +232,33 @@ def test_per_row_off_and_pinned_verify_one_k_for_every_row(pairs, ragged):
             assert Counter(stats["drafts_verified"]["one k"]).most_common(1)[0][0] == "3"
 
 
-def job(pairs_dir: Path, speculation, pp: int = 1):
+def job(pairs_dir: Path, speculation, pp: int = 1, **engine):
     doc = {"input": {"paths": ["x.jsonl"], "prompt_column": "p"},
            "model": {"target": str(pairs_dir / "target"), "drafter": str(pairs_dir / "drafter"),
-                     "pipeline_parallel_size": pp},
-           "engine": {"max_model_len": 256}, "buckets": [{"max_tokens": 256, "speculation": speculation}],
+                     "pipeline_parallel_size": pp, "dtype": "bfloat16"},
+           "engine": {"max_model_len": 256, **engine}, "buckets": [{"max_tokens": 256, "speculation": speculation}],
            "output": {"dir": "o"}}
     return parse_job(doc, Path("job.yaml"))
 
 
 @pytest.fixture(scope="module")
 def pair_dir(tmp_path_factory):
+    """config.json of a Qwen3 target and a DFlash drafter flashinfer takes (what resolve_engine reads)."""
     d = tmp_path_factory.mktemp("pair")
-    make_target(d / "target")
-    make_drafter(d / "drafter", 2)
+    for name, config in (("target", {"architectures": ["Qwen3ForCausalLM"], "head_dim": 128}),
+                         ("drafter", {"architectures": ["DFlashDraftModel"], "head_dim": 128,
+                                      "dflash_config": {"block_size": 8}})):
+        (d / name).mkdir()
+        (d / name / "config.json").write_text(json.dumps(config))
     return d
 
 
 def test_the_job_file_forms(pair_dir):
     """auto is per row; {per_row: false} is auto with one k a round; {drafts: K, per_row: ..} is
     refused (a pinned K is every row's); per_row true is refused where rounds cannot be ragged
-    (pipeline stages), which auto then runs with one k a round, as the engine line says."""
+    (pipeline stages; flashinfer under CUDA graphs, which plans a captured round before its
+    drafts exist, but not flashinfer eager), which auto then runs with one k a round, as the
+    engine line says."""
     (auto,) = plan_buckets(job(pair_dir, "auto"))
     (one_k,) = plan_buckets(job(pair_dir, {"per_row": False}))
     assert (auto.speculation, auto.per_row) == ("auto", True)
@@ -239,6 +266,12 @@ def test_the_job_file_forms(pair_dir):
     with pytest.raises(JobError, match="speculation"):
         job(pair_dir, {"drafts": 3, "per_row": True})
     assert resolve_engine(job(pair_dir, "auto"), cuda=False).per_row
+    eager_flashinfer = resolve_engine(job(pair_dir, "auto", cuda_graphs=False), cuda=True, flashinfer=True, triton=False)
+    assert eager_flashinfer.backend == "flashinfer" and eager_flashinfer.per_row
+    graphs = resolve_engine(job(pair_dir, "auto"), cuda=True, flashinfer=True, triton=False)
+    assert graphs.backend == "flashinfer" and graphs.cuda_graphs and not graphs.per_row
+    with pytest.raises(JobError, match=r"per_row: true.*flashinfer lays a captured round"):
+        resolve_engine(job(pair_dir, {"per_row": True}), cuda=True, flashinfer=True, triton=False)
     staged = job(pair_dir, "auto", pp=2)
     setup = resolve_engine(staged, cuda=False)
     assert not setup.per_row and "per_row_drafts=off" in setup.describe()

@@ -138,7 +138,7 @@ class _Entry:
 class FlashInferAttention:
     name = "flashinfer"
     splits_rounds = False  # plan_round lays a round out whole
-    ragged_rounds = False  # ... from lengths the host knows before the round
+    plans_on_host = True
 
     def __init__(self, device: torch.device | str, latent_rings: bool = True, workspace_bytes: int = 256 << 20,
                  split: LatentSplit | None = None):
@@ -176,21 +176,24 @@ class FlashInferAttention:
                                      meta.page_size, self._next()), None)
 
     def plan_round(self, batch, n: int, kv_lens: dict[str, list[int]], graph: bool,
-                   widths: dict[str, int] | None = None) -> None:
+                   widths: dict[str, int | list[int]] | None = None) -> None:
         """A round's forwards over rows 0..n-1 of `batch`: rows past the lists are padding, given
-        the scratch page (flashinfer needs every sequence to have keys)."""
+        the scratch page (flashinfer needs every sequence to have keys). A width given as a list
+        is each row's (a ragged verify, engine/row_drafts.py: eager only)."""
         ps = batch.page_size
         self.scratch_page = batch.scratch_page
         if batch.ring is not None:
             self._set_ring(batch.ring.pages, batch.scratch_state)  # scratch_state: the rows that run sequences
         for name, lens in kv_lens.items():
-            block = (widths or {}).get(name, batch.block)  # query rows a sequence has in this forward
+            width = (widths or {}).get(name, batch.block)  # query rows a sequence has in this forward
+            q_lens = width if isinstance(width, list) else [width] * n
+            block = max(q_lens)
             pad = [block] * (n - len(lens))
             scratch = [batch.scratch_page] * -(-block // ps)
             tables = [batch.host_pages(r) or scratch for r in range(len(lens))] + [scratch] * len(pad)
             # the batch row of each (a lane's rows start at its first: engine/lanes.py)
             rows = [batch.first_row + r if batch.host_pages(r) else None for r in range(len(lens))] + [None] * len(pad)
-            self._set(name, _Layout([block] * n, lens + pad, tables, rows, ps, self._next()), n if graph else None)
+            self._set(name, _Layout(q_lens, lens + pad, tables, rows, ps, self._next()), n if graph else None)
             # plan fills each wrapper's pinned host buffer and copies it to the device
             # asynchronously; the previous round's read-back has synchronised, so that copy of
             # the last plan is done before this one overwrites the buffer.

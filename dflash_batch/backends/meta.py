@@ -33,9 +33,10 @@ class AttentionBackend(Protocol):
     # Whether a round's forwards may go through pipeline stages in groups of sequences (a backend
     # that plans a round on the host plans it whole; its rounds run in lanes instead, engine/lanes.py).
     splits_rounds: bool
-    # Whether a round's verify may give its sequences different numbers of rows, chosen on the
-    # device after the draft (engine/row_drafts.py; a backend that plans on the host cannot).
-    ragged_rounds: bool
+    # Whether a round's layout is planned on the host before it runs (plan_round): a verify whose
+    # sequences have different numbers of rows (engine/row_drafts.py), known after the draft, is
+    # then planned between the two, so only an eager round can be ragged.
+    plans_on_host: bool
 
     def reads_rings(self, latent: bool) -> bool:
         """Whether a drafter's sliding layers may keep ring caches (AttnMeta.ring_view) here:

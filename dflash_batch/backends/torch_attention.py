@@ -110,7 +110,7 @@ class TorchAttention:
 
     name = "torch"
     splits_rounds = True
-    ragged_rounds = True
+    plans_on_host = False
 
     def __init__(self, split: LatentSplit | None = None):
         self.split = split

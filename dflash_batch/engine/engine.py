@@ -102,9 +102,10 @@ class Engine:
         under pipeline stages, the lanes rounds interleave in (lanes.py), or the groups of sequences
         a captured round or a prefill step goes through the stages in (models/stages.py);
         `per_row`: auto buckets (speculation {per_row: true}, auto's default) verify each row's
-        drafts worth it (row_drafts.py) where rounds can be ragged: the backend's, one stage."""
+        drafts worth it (row_drafts.py) where rounds can be ragged: one stage, and rounds captured
+        as graphs only where the backend does not plan them on the host."""
         self.target, self.drafter = target, drafter
-        self.per_row = per_row and attention.ragged_rounds and parallel.stage()[1] == 1
+        self.per_row = per_row and parallel.stage()[1] == 1 and not (cuda_graphs and attention.plans_on_host)
         self.micro_batches = micro_batches
         self.vocab_size: int = target.vocab_size
         # Hybrid targets (KDA) keep per-sequence recurrent state that verify stages and commit picks.
@@ -296,6 +297,8 @@ class Engine:
                      f"{q.limit} at a time and prefill chunks of {q.prefill_budget} tokens")
         else:
             q.suspects |= {s.request.key for s in involved}
+            self.log(f"bucket {bucket.name}: a step of {len(involved)} sequences failed ({type(error).__name__}: "
+                     f"{str(error)[:200]}); they start over one at a time")
         q.requeue(involved, batch)
         return []
 

@@ -23,7 +23,9 @@ with width W <= B the target runs [anchor, d_1..d_{W-1}] only, the drafts past t
 blanked so none can be accepted, and the drafter's context is written for those W rows (all a
 next round can read: it starts at most W positions on). W = 1 runs no draft at all but keeps
 the drafter's context current. Each accepted token is still t_j = the target's choice at its
-position, so any width gives target-only output.
+position, so any width gives target-only output. Rows may also verify different numbers
+(engine/row_drafts.py): the draft blanks each row's drafts past its own and the verify runs the
+rows packed, a ragged forward.
 
 Under pipeline stages (models/stages.py) the drafter drafts on the last stage, where the taps
 arrive, and the drafts go to every stage; the verify passes through the stages; the last stage
@@ -138,7 +140,11 @@ class Round:
             if fixed:  # a captured round's shape: n x W rows, a row up to the block
                 tokens, span = n * W, B
             else:  # the rows chosen, each sequence laid out as wide as the widest (KDA steps through it)
-                tokens, span = torch.stack([widths.sum(), widths.max()]).tolist()
+                counts, starts = torch.stack([widths, b.pos[:n]]).tolist()
+                tokens, span = sum(counts), max(counts)
+                if self.attention.plans_on_host:  # the verify's layout, now that the counts are known
+                    self.attention.plan_round(b, n, {"verify": [p + c for p, c in zip(starts, counts)]}, False,
+                                              {"verify": counts})
             live, at, logits_rows = ragged_rows(widths, span, tokens)
             grid = positions.view(n, B)[:, :span]
             verify = meta("verify", verify_kv - (B - widths), positions=packed(grid, at, tokens, 0),

@@ -16,7 +16,9 @@ drafts no longer pay). The decision needs two measurements:
   them is a trial of positions 1 .. min(a + 1, k)). With k drafts verified a round yields
   E(k) = 1 + sum over j <= k of P(drafts 1..j all accepted) tokens.
 
-k(n) = argmax over k of E(k) / cost(n, k). Until `explore` sequence-rounds have been seen every
+k(n) = argmax over k of E(k) / cost(n, k). Under per-row draft counts (engine/row_drafts.py, auto's
+default) k = 0 still means target-only rounds; otherwise each row verifies its own number, chosen
+from the same cost table (`curve`). Until `explore` sequence-rounds have been seen every
 round verifies the whole block, so each position is measured; a drafter that does not pay even
 by an optimistic estimate is turned off sooner. Every rank sees the same rounds but times its
 own: rank 0 decides and the group follows (engine.py, parallel.agreed). A pinned bucket
@@ -233,8 +235,8 @@ class Schedule:
         """A round of n rows verified k drafts a sequence (`per_row`: each row those worth it,
         engine/row_drafts.py) in `seconds`; `accepted`, `verified`: the drafts each sequence kept
         and verified, of those whose round was not cut by their end; `drafts`: an eager per-row
-        round's drafts verified in all (its cost follows them: line), None: the cost is the
-        table's at k (a captured round's shape)."""
+        round's drafts verified in all (its cost follows them along the curve), None: the cost
+        is the table's at k (a captured round's shape)."""
         size = self.size_of(n)
         by_k = self.rounds.setdefault(size, {})
         by_k[k] = by_k.get(k, 0) + 1
