@@ -109,14 +109,16 @@ CYCLE = [7, 2, 0, 5, 1, 3, 6, 4]  # k of round i
 @pytest.mark.slow
 @pytest.mark.parametrize("sampling", [[{}], [SAMPLED, {}]], ids=["greedy", "sampled"])
 def test_every_verify_width_replays_its_own_graph(qwen3, monkeypatch, sampling):
-    """An auto bucket whose k changes every round (engine/schedule.py): each width's graph ==
-    eager at that width, round for round (a replay at the wrong width would keep drafts past k)."""
+    """An auto bucket whose k changes every round (engine/schedule.py), one k a round (per-row
+    counts: tests/test_row_drafts.py): each width's graph == eager at that width, round for round
+    (a replay at the wrong width would keep drafts past k)."""
     monkeypatch.setattr(engine_module.Schedule, "plan", lambda self, n: CYCLE[self.total_rounds % 8])
     monkeypatch.setattr(engine_module.Schedule, "why_stop", lambda *args: None)
-    want = outcomes(Engine(*qwen3, dtype=F64), sampling, "auto")
+    want = outcomes(Engine(*qwen3, dtype=F64, per_row=False), sampling, "auto")
     monkeypatch.setattr(engine_module, "RoundGraphs", CountedGraphs)
     monkeypatch.setattr(CountedGraphs, "replays", 0)
-    got = outcomes(Engine(*qwen3, dtype=F64, cuda_graphs=True, capture_sizes=[1, 2, 4]), sampling, "auto")
+    got = outcomes(Engine(*qwen3, dtype=F64, cuda_graphs=True, capture_sizes=[1, 2, 4], per_row=False), sampling,
+                   "auto")
     assert got == want
     assert CountedGraphs.replays > 10
 

@@ -132,9 +132,9 @@ def test_sampled_tokens_follow_target_distribution(models, speculation, drafts, 
     counts, per_round = sample_tuples(engine, speculation, drafts)
     if drafts is not None:
         assert max(per_round) == drafts
-    if speculation == "auto":
+    if speculation == "auto":  # with 2 tokens left after the first, a row may verify 0 or 1 draft
         (schedule,) = engine.schedules.values()
-        assert len(schedule.verified["per row"]) >= 3, schedule.verified
+        assert set(schedule.verified["per row"]) == {0, 1} and not schedule.verified["one k"], schedule.verified
     if speculation and drafts != 0:
         # Drafts accepted: the accept rule (not only the bonus token) shaped the sample.
         assert sum(per_round) > SAMPLES // 20, Counter(per_round)
