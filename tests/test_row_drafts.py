@@ -175,6 +175,9 @@ def test_ragged_rounds_decode_as_the_target_alone(pairs, ragged, monkeypatch, fa
     counts = verified_counts(engine)
     assert set(counts) == set(range(8)), counts
     assert sum(counts.values()) == sum(c.spec.rounds for c in got) - len(got)  # less each one's last round
+    # The calibration learnt from those rounds: one trial a sequence-round at least (draft 1's).
+    (schedule,) = engine.schedules.values()
+    assert sum(schedule.calibration.trials) >= sum(counts.values()) - counts[0]
     assert sum(c.spec.accepted for c in got) > 0
 
 

@@ -84,7 +84,7 @@ class DecodeBatch:
         self.state_slot = full((rows,), sequences)  # recurrent-state slot (hybrid targets)
         self.out = full((rows, block + 2), 0)          # a round's result: emitted | kept | finished
         # Per-row draft counts (engine/row_drafts.py): the drafter's probability of each draft of
-        # a round, and what the round's choice reads (the calibration's rates, the cost line).
+        # a round, and what the round's choice reads (the calibration's rates, the cost curve).
         self.draft_probs = full((rows, block - 1), 0.0, torch.float32)
         self.draft_edges = torch.tensor(EDGES, dtype=torch.float32, device=device)
         self.draft_params = full((2 * len(EDGES) + 2 + block,), 0.0, torch.float64)  # row_drafts.round_params

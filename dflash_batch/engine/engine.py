@@ -229,9 +229,11 @@ class Engine:
                                 pays = None
                         if schedule is not None:
                             for seconds, accepted in rounds:  # a round cut by its sequence's end measures no acceptance
-                                kept = [(a, v) for a, v, seq in accepted if not seq.finish_reason]
-                                schedule.record(size, k, seconds, [a for a, _ in kept], [v for _, v in kept],
+                                kept = [(a, v, seq) for a, v, seq in accepted if not seq.finish_reason]
+                                schedule.record(size, k, seconds, [a for a, _, _ in kept], [v for _, v, _ in kept],
                                                 not laned and per_row, None if laned else drafts)
+                                if not laned and per_row:
+                                    learn(schedule.calibration, batch, kept)
                             if schedule.pinned is None:
                                 switch = schedule.why_stop(plan == NOWHERE)
                 except Exception as error:  # noqa: BLE001 - any failure: decide what it costs
@@ -682,10 +684,7 @@ class Engine:
         else:
             step(batch, size, greedy, max(positions) + block, width, per_row=per_row)
         accepted = take_round(batch, running[:n], block, self.decode)
-        if not per_row:
-            return accepted, False, None
-        learn(schedule.calibration, batch, accepted)
-        return accepted, True, None if captured else sum(v for _, v, _ in accepted)
+        return accepted, per_row, None if captured or not per_row else sum(v for _, v, _ in accepted)
 
     @staticmethod
     def _grammar_masks(batch: DecodeBatch, running: list[Sequence | None], block: int) -> None:

@@ -73,8 +73,9 @@ class Calibration:
 
 def round_params(calibration: Calibration, size: int, costs: list[float]) -> list[float]:
     """What row_widths reads of a round, as DecodeBatch.draft_params holds it: the calibrated
-    chance of each bin (greedy rows', then sampling rows'), then the round's cost curve: a round of `size` rows verifying k drafts
-    each takes costs[k - 1] seconds, k = 1 .. block - 1 (engine/schedule.py's table)."""
+    chance of each bin (greedy rows', then sampling rows'), then the round's cost curve: a round
+    of `size` rows verifying k drafts each takes costs[k - 1] seconds, k = 1 .. block - 1
+    (engine/schedule.py's table)."""
     return [*calibration.rates(), size, *costs]
 
 
@@ -103,10 +104,9 @@ def seconds_at(drafts: torch.Tensor, size: torch.Tensor | float, costs: torch.Te
     return low + (k - 1 - piece) * (high - low)
 
 
-def learn(calibration: Calibration, batch: DecodeBatch, accepted: list[tuple[int, int, Sequence]]) -> None:
-    """After a per-row round: its sequences' verified drafts are the calibration's trials (those
-    whose round their end cut short are not: their last drafts could not be accepted)."""
-    kept = [(a, v, seq) for a, v, seq in accepted if not seq.finish_reason]
+def learn(calibration: Calibration, batch: DecodeBatch, kept: list[tuple[int, int, Sequence]]) -> None:
+    """After a per-row round: the drafts its sequences kept and verified are the calibration's
+    trials (of the sequences whose round their end did not cut short)."""
     if not kept:
         return
     probs = batch.draft_probs[:max(seq.row for _, _, seq in kept) + 1].tolist()
