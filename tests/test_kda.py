@@ -179,3 +179,21 @@ def test_gate_hand_computed():
 def test_l2norm_hand_computed():
     x = torch.tensor([[3.0, 4.0], [0.0, 0.0]])
     assert_close(l2norm(x), torch.tensor([[0.6, 0.8], [0.0, 0.0]]), 1e-6)
+
+
+@pytest.mark.parametrize("lengths", [(5, 3, 3, 1), (4, 4, 0), (2,)])
+def test_staggered_rows_equal_each_sequence_alone(lengths):
+    """A ragged verify's recurrence (running: sequences longest first, step t runs the first
+    running[t]): each sequence's outputs and final state are the spec's over its own rows alone;
+    a sequence's rows past its length read zeros and its state is its own after its last row."""
+    T = max(lengths)
+    q, k, v, g, beta, state = make_inputs(len(lengths), T=T, dtype=torch.float64, seed=5)
+    running = tuple(sum(n > t for n in lengths) for t in range(T))
+    start = state.clone()
+    o, S = kda_recurrent(q, k, v, g, beta, state, running=running)
+    assert torch.equal(state, start)  # the committed state is read, never written
+    for b, n in enumerate(lengths):
+        ref_o, ref_s = spec_loop(q[b, :n], k[b, :n], v[b, :n], g[b, :n], beta[b, :n], state[b])
+        assert_close(o[b, :n], ref_o, 1e-6)
+        assert torch.count_nonzero(o[b, n:]) == 0
+        assert_close(S[b], ref_s, 1e-6)

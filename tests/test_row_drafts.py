@@ -221,6 +221,39 @@ def test_ragged_rounds_sample_as_the_target_alone(pairs, ragged, family):
     assert len(verified_counts(engine)) >= 5, verified_counts(engine)
 
 
+@pytest.fixture(scope="module")
+def demo_pair():
+    """The demo's trained Kimi-K3 pair (jobs/demo/models) in float64: its drafts are mostly accepted,
+    so rounds keep whole rows, the case random pairs rarely reach."""
+    from dflash_batch.engine.pair import attach_drafter
+    from dflash_batch.models.loader import load_model
+    from dflash_batch.tokenizer import Tokenizer
+
+    models = Path(__file__).resolve().parent.parent / "jobs/demo/models"
+    target, drafter = load_model(models / "target", F64), load_model(models / "drafter", F64)
+    attach_drafter(target, drafter)
+    tok = Tokenizer(models / "target")
+    lines = (models.parent / "prompts.jsonl").read_text().splitlines()[:6]
+    prompts = tok.encode_batch([tok.render_chat(json.loads(line)["messages"], {}) for line in lines], False)
+    return target, drafter, prompts
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("speculation, drafts", [("auto", None), (True, 3)], ids=["per row", "pinned 3"])
+def test_rounds_that_keep_whole_rows_decode_as_the_target_alone(demo_pair, ragged, speculation, drafts):
+    """The trained pair, where sequences keep every draft they verify: Kimi-K3's recurrent layers
+    commit exactly the rows kept (eagerly per row, each sequence only its own; pinned, the round's
+    width), so greedy decoding is the target's alone; a fifth of the rounds at least keep every
+    draft they verify (two or more)."""
+    target, drafter, prompts = demo_pair
+    want = [c.token_ids for c in run(Engine(target, None, dtype=F64), prompts, bucket(max_num_seqs=4), max_new_tokens=40)]
+    engine = Engine(target, drafter, dtype=F64)
+    got = run(engine, prompts, bucket(max_num_seqs=4, speculation=speculation, drafts=drafts), max_new_tokens=40)
+    assert [c.token_ids for c in got] == want
+    rounds = [(a, v) for c in got for a, v in zip(c.spec.per_round, c.spec.verified)]
+    assert sum(a == v >= 2 for a, v in rounds) > len(rounds) / 5, rounds
+
+
 @pytest.mark.numerics
 def test_per_row_off_and_pinned_verify_one_k_for_every_row(pairs, ragged):
     """{per_row: false} (Bucket.per_row False) and {drafts: K} verify one number a round:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 
@@ -79,6 +79,22 @@ class Ring:
         return (rows * self.pages + 1) * page_size
 
 
+class Stagger(NamedTuple):
+    """Sequences of unequal row counts (a ragged verify, or a commit of different kept counts)
+    longest first: `order` [n] their indices, `running[t]` how many of them have a row t (host
+    ints). A recurrent layer then runs row t for the first running[t] only."""
+
+    order: torch.Tensor
+    running: tuple[int, ...]
+
+
+def stagger(counts: list[int], device: torch.device | str) -> Stagger:
+    """The Stagger of sequences with counts[b] rows each."""
+    order = sorted(range(len(counts)), key=lambda b: -counts[b])
+    return Stagger(torch.tensor(order, dtype=torch.int64, device=device),
+                   tuple(sum(c > t for c in counts) for t in range(max(counts, default=0))))
+
+
 @dataclass
 class AttnMeta:
     positions: torch.Tensor     # [T] int64: absolute position of each row
@@ -102,6 +118,7 @@ class AttnMeta:
     name: str = "forward"       # which planned forward this is (backends plan per name)
     micro_batches: int = 1      # groups of sequences a forward goes through pipeline stages in
     first_seq: int = 0          # the round's sequence this forward's first one is (a micro-batch's)
+    stagger: Stagger | None = None  # an eager ragged verify's sequences, widest first (recurrent layers)
     derived: dict = field(default_factory=dict, repr=False)  # per-forward values layers share
 
     def shared(self, key: Any, make: Callable[[], Any]) -> Any:
@@ -149,7 +166,7 @@ class AttnMeta:
             q_positions=self.q_positions[a:b], kv_lens=self.kv_lens[a:b], block_tables=self.block_tables[a:b],
             state_ids=None if self.state_ids is None else self.state_ids[a:b],
             rows=None if self.rows is None else self.rows[a:b], rows_own_slots=False, micro_batches=1,
-            first_seq=self.first_seq + a, derived={})
+            first_seq=self.first_seq + a, stagger=None, derived={})
 
     @property
     def num_rows(self) -> int:

@@ -46,7 +46,7 @@ from types import SimpleNamespace
 import torch
 
 from dflash_batch import parallel
-from dflash_batch.backends.meta import AttentionBackend, AttnMeta
+from dflash_batch.backends.meta import AttentionBackend, AttnMeta, stagger
 from dflash_batch.engine.batch import DecodeBatch
 from dflash_batch.engine.choice import choose_verified
 from dflash_batch.engine.row_drafts import packed, ragged_rows, row_widths
@@ -138,10 +138,10 @@ class Round:
         if per_row and W > 1:
             widths = (ids >= 0).sum(1)  # the anchor and the drafts left (row_widths blanked the rest)
             if fixed:  # a captured round's shape: n x W rows, a row up to the block
-                tokens, span = n * W, B
-            else:  # the rows chosen, each sequence laid out as wide as the widest (KDA steps through it)
+                tokens, span, steps = n * W, B, None
+            else:  # the rows chosen; a recurrent layer runs each sequence's own (meta.stagger)
                 counts, starts = torch.stack([widths, b.pos[:n]]).tolist()
-                tokens, span = sum(counts), max(counts)
+                tokens, span, steps = sum(counts), max(counts), stagger(counts, ids.device)
                 if self.attention.plans_on_host:  # the verify's layout, now that the counts are known
                     self.attention.plan_round(b, n, {"verify": [p + c for p, c in zip(starts, counts)]}, False,
                                               {"verify": counts})
@@ -150,7 +150,7 @@ class Round:
             verify = meta("verify", verify_kv - (B - widths), positions=packed(grid, at, tokens, 0),
                           slots=packed(slots.view(n, B)[:, :span], at, tokens, -1), q_index=at,
                           q_positions=torch.where(live, grid, -1), dense=False, logits_rows=logits_rows,
-                          state_ids=b.state_slot[:n], stage=self.recurrent, first_seq=b.first_row)
+                          state_ids=b.state_slot[:n], stage=self.recurrent, first_seq=b.first_row, stagger=steps)
             return grid.reshape(-1), verify, packed(ids[:, :span], at, tokens, 0)
         if W == B:
             return positions, meta("verify", verify_kv, logits_rows=b.q_index[:n].reshape(-1),
@@ -175,7 +175,7 @@ class Round:
         accepted = self.check(b, n, greedy, drafted, constrained)
         # Budgets stay behind: only the drafter and accept read them, on the last stage.
         parallel.from_last_stage(*self.decided(b, n, accepted))
-        self.settle(b, n, accepted)
+        self.settle(b, n, accepted, drafted[1])
 
     def check(self, batch: DecodeBatch, n: int, greedy: bool, drafted: tuple, constrained: bool = False) -> torch.Tensor:
         """verify -> choose -> accept -> context: the target's part of this stage, and on the last
@@ -201,16 +201,21 @@ class Round:
         scored = (b.token_logprob[:n], b.top_logprob_ids[:n], b.top_logprobs[:n]) if b.token_logprob is not None else ()
         return b.ids[:n], b.pos[:n], b.out[:n], accepted, *scored
 
-    def settle(self, b: DecodeBatch, n: int, accepted: torch.Tensor) -> None:
-        """After the decision: count what rows emitted (penalties) and commit recurrent states."""
+    def settle(self, b: DecodeBatch, n: int, accepted: torch.Tensor, verify: AttnMeta | None = None) -> None:
+        """After the decision: count what rows emitted (penalties) and commit recurrent states
+        over the rows `verify` ran (default the block)."""
         B = self.block
         if b.counts is not None:  # what the rows emitted is generated now
             emitted = b.out[:n, :B]
             b.counts[:n].scatter_add_(-1, emitted.clamp_min(0), (emitted >= 0).to(b.counts.dtype))
         if self.recurrent:
             # The verify left the recurrent state alone; it moves past the anchor and the
-            # accepted drafts (the bonus is the next anchor, not yet fed).
-            self.target.commit(b.state_slot[:n], accepted + 1, b.first_row)
+            # accepted drafts (the bonus is the next anchor, not yet fed). An eager ragged round
+            # has read the host already: each sequence replays only what it kept.
+            kept = accepted + 1
+            rows = verify.q_index.shape[1] if verify is not None else None
+            steps = stagger(kept.tolist(), kept.device) if verify is not None and verify.stagger is not None else None
+            self.target.commit(b.state_slot[:n], kept, b.first_row, rows, steps)
 
     def decide(self, b: DecodeBatch, n: int, W: int, logits: torch.Tensor, positions: torch.Tensor, greedy: bool,
                constrained: bool) -> torch.Tensor:

@@ -17,11 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_batch import parallel
-from dflash_batch.backends.meta import AttnMeta
+from dflash_batch.backends.meta import AttnMeta, Stagger
 from dflash_batch.kernels import moe_mxfp4, ops
 from dflash_batch.kernels.moe_mxfp4 import situ
 from dflash_batch.models.layers.dtypes import wide, wide_dtype
-from dflash_batch.models.layers.kda import kda_gate, kda_kernels, l2norm, short_conv
+from dflash_batch.models.layers.kda import KDAFunction, kda_gate, kda_kernels, kda_recurrent, l2norm, short_conv
 from dflash_batch.models.layers.linear import (
     ColumnParallelLinear, ParallelLMHead, ReplicatedLinear, RowParallelLinear, VocabParallelEmbedding,
     new_param, per_rank,
@@ -159,6 +159,12 @@ class GatedMLA(nn.Module):
         return self.o_proj(o.reshape(T, self.heads * self.dv))
 
 
+def _running(recurrent: KDAFunction, stagger: Stagger | None) -> dict:
+    """The torch recurrence runs a Stagger's rows only; fla's kernel runs them all (rows past a
+    sequence's own are zeros there, which leave its state as it is)."""
+    return {"running": stagger.running} if stagger is not None and recurrent is kda_recurrent else {}
+
+
 class KDA(nn.Module):
     """Kimi Delta Attention: short conv + SiLU on q/k/v, L2-normed q/k, lower-bounded sigmoid gate,
     float32 delta rule, gated per-head RMSNorm."""
@@ -222,20 +228,24 @@ class KDA(nn.Module):
             # as it is; each row's raw inputs are kept so that commit can replay the accepted
             # ones (d*d floats a row saved). Sequences of fewer rows (a ragged verify,
             # engine/row_drafts.py) are padded at their end with zero rows, which no row before
-            # them reads. No host sync: a round is captured as one graph.
-            n, ids = meta.state_ids.shape[0], meta.state_ids
+            # them reads; eagerly they are taken widest first and each runs only its own rows
+            # (meta.stagger). No host sync: a round is captured as one graph.
+            n, stagger = meta.state_ids.shape[0], meta.stagger
+            seqs = slice(meta.first_seq, meta.first_seq + n) if stagger is None else meta.first_seq + stagger.order
+            ids = meta.state_ids if stagger is None else meta.state_ids[stagger.order]
             if meta.dense:
                 raw, g, beta = raw.view(n, -1, raw.shape[-1]), g.view(n, -1, H, d), beta.view(n, -1, H)
             else:
-                raw, g, beta = (torch.cat([t, t.new_zeros(1, *t.shape[1:])])[meta.q_index] for t in (raw, g, beta))
+                index = meta.q_index if stagger is None else meta.q_index[stagger.order]
+                raw, g, beta = (torch.cat([t, t.new_zeros(1, *t.shape[1:])])[index] for t in (raw, g, beta))
             q, k, v, _ = self._qkv(raw, self.conv_state[ids])
-            out, _ = recurrent(q, k, v, g, beta, self.state[ids])
+            out, _ = recurrent(q, k, v, g, beta, self.state[ids], **_running(recurrent, stagger))
             if meta.dense:
                 out = out.reshape(T, H, d)
             else:
-                out = out.new_zeros(T + 1, H, d).index_copy_(0, meta.q_index.reshape(-1), out.flatten(0, 1))[:T]
-            rows, at = raw.shape[1], slice(meta.first_seq, meta.first_seq + n)  # a micro-batch's sequences
-            self.staged_raw[at, :rows], self.staged_g[at, :rows], self.staged_beta[at, :rows] = raw, g, beta
+                out = out.new_zeros(T + 1, H, d).index_copy_(0, index.reshape(-1), out.flatten(0, 1))[:T]
+            rows = raw.shape[1]
+            self.staged_raw[seqs, :rows], self.staged_g[seqs, :rows], self.staged_beta[seqs, :rows] = raw, g, beta
         else:  # prefill chunks: each sequence's rows through the chunked form, state updated
             out = x.new_zeros(T, H, d, dtype=wide_dtype(x.dtype))
             for b, slot in enumerate(meta.state_ids.tolist()):
@@ -247,22 +257,27 @@ class KDA(nn.Module):
         o = o * torch.sigmoid(wide(self.g_proj(x))).view(T, H, d)
         return self.o_proj(o.reshape(T, H * d).to(x.dtype))
 
-    def commit(self, state_ids: torch.Tensor, kept: torch.Tensor, first: int = 0) -> None:
+    def commit(self, state_ids: torch.Tensor, kept: torch.Tensor, first: int = 0, rows: int | None = None,
+               stagger: Stagger | None = None) -> None:
         """After a verify: sequence b's committed state advances over its first kept[b] rows,
         replayed from their raw inputs, all sequences at once (no host sync: graph-safe). A row
         past kept[b] replays as zeros with no decay (g = 0) and no write (beta = 0): the state
         passes it unchanged (whatever the rejected row held), so one recurrent pass over every
         row serves every accepted length. `first`: where the verify staged sequence 0 (a lane's
-        first row, engine/lanes.py)."""
-        n, rows = len(state_ids), self.staged_raw.shape[1]
-        staged = slice(first, first + n)
-        raw, conv = self.staged_raw[staged], self.conv_state[state_ids]
+        first row, engine/lanes.py); `rows`: the rows it staged a sequence (default all);
+        `stagger`: the sequences by kept, most first (eager rounds that know kept on the host):
+        each then replays only its kept rows."""
+        n, rows = len(state_ids), rows or self.staged_raw.shape[1]
+        staged = slice(first, first + n) if stagger is None else first + stagger.order
+        if stagger is not None:
+            state_ids, kept = state_ids[stagger.order], kept[stagger.order]
+        raw, conv = self.staged_raw[staged, :rows], self.conv_state[state_ids]
         q, k, v, _ = self._qkv(raw, conv)
         live = torch.arange(rows, device=kept.device) < kept[:, None]  # [n, rows]
-        k, v, g = (torch.where(live[:, :, None, None], t, 0) for t in (k, v, self.staged_g[staged]))
-        beta = torch.where(live[:, :, None], self.staged_beta[staged], 0)
+        k, v, g = (torch.where(live[:, :, None, None], t, 0) for t in (k, v, self.staged_g[staged, :rows]))
+        beta = torch.where(live[:, :, None], self.staged_beta[staged, :rows], 0)
         recurrent, _ = kda_kernels(self.state)
-        _, after = recurrent(q, k, v, g, beta, self.state[state_ids])
+        _, after = recurrent(q, k, v, g, beta, self.state[state_ids], **_running(recurrent, stagger))
         self.state[state_ids] = after
         # The conv window after kept[b] rows: the last kernel-1 raw inputs up to there.
         window = torch.cat([conv, raw.transpose(1, 2).to(conv.dtype)], dim=-1)  # [n, C, kernel-1+rows]
@@ -432,10 +447,11 @@ class KimiK3ForConditionalGeneration(nn.Module):
         for pool, value in zip(self.state_pools(), saved, strict=True):
             pool[slot] = value
 
-    def commit(self, state_ids: torch.Tensor, kept: torch.Tensor, first: int = 0) -> None:
+    def commit(self, state_ids: torch.Tensor, kept: torch.Tensor, first: int = 0, rows: int | None = None,
+               stagger: Stagger | None = None) -> None:
         for layer in self.model.layers:
             if layer.is_kda:
-                layer.self_attn.commit(state_ids, kept, first)
+                layer.self_attn.commit(state_ids, kept, first, rows, stagger)
 
     def forward(self, input_ids: torch.Tensor, meta: AttnMeta) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """input_ids [T] -> (logits for meta.logits_rows, taps [T, n_taps*hidden] | None); (None, None)

@@ -17,7 +17,7 @@ Math runs in float32 (float64 inputs stay float64, for exactness tests).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -66,20 +66,41 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor) 
 
 
 def kda_recurrent(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor | None,
+    running: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-by-token KDA (decode / verify). Returns (o, new_state); layouts in the module doc."""
+    """Token-by-token KDA (decode / verify). Returns (o, new_state); layouts in the module doc.
+    `running` (one leading batch dim, sequences of unequal lengths sorted longest first: a ragged
+    verify): step t runs only the first running[t] sequences, whose state it advances; the others
+    keep theirs and read zeros there (the same state and outputs as zero rows, g = beta = 0, at
+    the cost of the rows run)."""
     q, k, v, g, beta = map(wide, (q, k, v, g, beta))
     q = q * q.shape[-1] ** -0.5
     S = _init_state(state, k, v)
+    if running is not None:
+        return _staggered(q, k, v, g, beta, S.clone(), running)
     out = []
     for t in range(q.shape[-3]):
-        q_t, k_t, v_t = q[..., t, :, :], k[..., t, :, :], v[..., t, :, :]
-        S = S * g[..., t, :, :, None].exp()
-        err = v_t - torch.einsum("...hk,...hkv->...hv", k_t, S)
-        S = S + k_t[..., :, None] * (beta[..., t, :, None] * err)[..., None, :]
-        out.append(torch.einsum("...hk,...hkv->...hv", q_t, S))
+        S = _step(S, q[..., t, :, :], k[..., t, :, :], v[..., t, :, :], g[..., t, :, :], beta[..., t, :])
+        out.append(torch.einsum("...hk,...hkv->...hv", q[..., t, :, :], S))
     return torch.stack(out, dim=-3), S
+
+
+def _step(S: torch.Tensor, q_t: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, g_t: torch.Tensor,
+          beta_t: torch.Tensor) -> torch.Tensor:
+    """The state after one token: decay, then the delta rule read against the decayed state."""
+    S = S * g_t[..., None].exp()
+    err = v_t - torch.einsum("...hk,...hkv->...hv", k_t, S)
+    return S + k_t[..., :, None] * (beta_t[..., None] * err)[..., None, :]
+
+
+def _staggered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+               S: torch.Tensor, running: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    out = q.new_zeros(*q.shape[:-1], v.shape[-1])
+    for t, a in enumerate(running):
+        S[:a] = _step(S[:a], q[:a, t], k[:a, t], v[:a, t], g[:a, t], beta[:a, t])
+        out[:a, t] = torch.einsum("bhk,bhkv->bhv", q[:a, t], S[:a])
+    return out, S
 
 
 def kda_chunked(
