@@ -2,10 +2,12 @@
 hindsight, side by side in one run, on the CPU (where a round's time grows with the tokens it
 verifies).
 
-Two cases, both on the demo pair (jobs/demo/models): (a) the demo job's prompts (word problems of
-three kinds and few-shot prompts, which accept least), greedy; (b) the same prompts, every other
-request sampled at the model card's production settings (temperature 1.0, top_p 0.95), whose
-drafts the target accepts less often than the greedy rows'. For each batch size
+Three cases, all on the demo pair (jobs/demo/models): (a) the demo job's prompts (word problems
+of three kinds and few-shot prompts, which accept least), greedy; (b) the same prompts, every
+other request sampled at the model card's production settings (temperature 1.0, top_p 0.95);
+(c) every other request a prompt of random tokens (20-80 of them, seeded), greedy: rows the
+drafter predicts well (acceptance length ~6 at k = 7) beside rows it does not (~1.5). For each
+batch size
 (max_num_seqs) max(batch, --min-requests) requests, cycled over the prompts (each with its own
 seed), are decoded by one engine in these modes, in turn: every pinned k (speculation {drafts:
 k}; 0: target-only rounds, the drafter's context kept), `speculation: {per_row: false}` (auto, one
@@ -23,6 +25,7 @@ usage: python benchmarks/row_drafts.py [--repeats 3] [--threads 1] [--max-new-to
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import sys
 import time
@@ -39,7 +42,7 @@ from dflash_batch.engine.request import Request, SamplingParams  # noqa: E402
 from dflash_batch.plan.buckets import Bucket  # noqa: E402
 
 BATCHES = (1, 16, 64, 128)
-FIXED = range(8)
+FIXED = range(1, 8)  # k = 0 (target-only rounds) was never the best: 0.65-0.82x k = 1 (docs/figures.md)
 AUTO = ("one k", "per row")
 
 
@@ -50,24 +53,31 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
-    ap.add_argument("--cases", default="a,b")
+    ap.add_argument("--cases", default="a,b,c")
     ap.add_argument("--min-requests", type=int, default=16)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     target, drafter, tok, eos, prompts = load_demo(args.models, every_dataset=True)
     greedy = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=eos)
     sampled = dict(greedy, temperature=1.0, top_p=0.95)
-    cases = {"a": ("(a) demo pair, the demo's prompts, greedy", lambda i: greedy),
+    rng = random.Random(0)
+    noise = [[rng.randrange(5, tok.vocab_size) for _ in range(rng.randrange(20, 81))] for _ in range(len(prompts))]
+    def demo(i: int) -> list[int]:
+        return prompts[i % len(prompts)]
+
+    cases = {"a": ("(a) demo pair, the demo's prompts, greedy", lambda i: (demo(i), greedy)),
              "b": ("(b) demo pair, every other request sampled (temperature 1.0, top_p 0.95)",
-                   lambda i: sampled if i % 2 else greedy)}
+                   lambda i: (demo(i), sampled if i % 2 else greedy)),
+             "c": ("(c) demo pair, every other request a prompt of random tokens, greedy",
+                   lambda i: (noise[i % len(noise)] if i % 2 else demo(i), greedy))}
     curves = {}
     for case in args.cases.split(","):
         name, settings = cases[case]
         engine = Engine(target, drafter, tok.decode)  # one engine: buckets of the same shape keep their caches
 
         def decode(bucket: Bucket, count: int) -> float:
-            reqs = [Request((str(i), 0), prompts[i % len(prompts)], SamplingParams(seed=i, **settings(i)))
-                    for i in range(count)]
+            reqs = [Request((str(i), 0), prompt, SamplingParams(seed=i, **params))
+                    for i, (prompt, params) in ((i, settings(i)) for i in range(count))]
             t0 = time.perf_counter()
             out = list(engine.generate(reqs, bucket))
             return sum(len(c.token_ids) for c in out) / (time.perf_counter() - t0)

@@ -15,6 +15,7 @@ import json
 import random
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,9 +23,11 @@ import torch
 from dflash_batch.build import resolve_engine
 from dflash_batch.engine import engine as engine_module
 from dflash_batch.engine import round as round_module
+from dflash_batch.engine.batch import DecodeBatch
 from dflash_batch.engine.engine import Engine
 from dflash_batch.engine.request import Request, SamplingParams
-from dflash_batch.engine.row_drafts import EDGES, PRIOR, Calibration, round_params, row_widths
+from dflash_batch.engine.row_drafts import (ALL, EDGES, FRESH, KINDS, MISSED, PRIOR, SOME, Calibration, kind_of,
+                                            last_round, learn, round_params, row_widths)
 from dflash_batch.engine.schedule import Schedule
 from dflash_batch.job import JobError, parse_job
 from dflash_batch.plan.buckets import plan_buckets
@@ -61,7 +64,7 @@ def test_the_choice_is_the_best_rate_over_every_cut(seed):
     n, D = rng.randint(1, 4), rng.randint(1, 3)
     probs = torch.tensor([[rng.random() for _ in range(D)] for _ in range(n)], dtype=torch.float32)
     budget = torch.tensor([rng.choice([0, 1, 2, 3, 9, 9]) for _ in range(n)])
-    sampled = torch.tensor([rng.random() < 0.5 for _ in range(n)])
+    kinds = torch.tensor([rng.randrange(KINDS) for _ in range(n)])
     calibration = Calibration()
     calibration.hits = [rng.random() * 5 for _ in calibration.hits]
     calibration.trials = [h + rng.random() * 5 for h in calibration.hits]
@@ -71,11 +74,11 @@ def test_the_choice_is_the_best_rate_over_every_cut(seed):
                                       for k in range(D)))
     most = rng.randint(0, n * D)
     params = torch.tensor(round_params(calibration, size, costs), dtype=torch.float64)
-    got = row_widths(probs, budget, sampled, EDGE_TENSOR, params, most).tolist()
+    got = row_widths(probs, budget, kinds, EDGE_TENSOR, params, most).tolist()
 
     rates = calibration.rates()
     chance = []
-    for row, kind in zip(probs.tolist(), sampled.tolist()):  # P(drafts 1..j accepted): the product of their rates
+    for row, kind in zip(probs.tolist(), kinds.tolist()):  # P(drafts 1..j accepted): the product of their rates
         product, c = 1.0, []
         for p in row:
             product *= rates[sum(e <= p for e in EDGES) + kind * (len(EDGES) + 1)]
@@ -98,7 +101,7 @@ def test_the_calibration_counts_a_draft_once_those_before_it_were_accepted():
     PRIOR trials' weight."""
     calibration = Calibration()
     calibration.record([[0.97, 0.55, 0.01], [0.97, 0.97, 0.97], [0.97, 0.55, 0.2]], [3, 3, 2], [1, 3, 0],
-                       [False, False, True])
+                       [kind_of(False, FRESH), kind_of(False, FRESH), kind_of(True, FRESH)])
     bin_of = {p: sum(e <= p for e in EDGES) for p in (0.97, 0.55, 0.2, 0.01)}
     sampling = len(EDGES) + 1  # a sampling row's bins come after the greedy rows'
     assert calibration.trials[bin_of[0.97]] == 4 and calibration.hits[bin_of[0.97]] == 4
@@ -112,7 +115,30 @@ def test_the_calibration_counts_a_draft_once_those_before_it_were_accepted():
     assert calibration.rates()[sampling + bin_of[0.97]] == pytest.approx(PRIOR * 0.965 / (1 + PRIOR))
 
 
-def scattered_widths(probs: torch.Tensor, budget: torch.Tensor, sampled: torch.Tensor, edges: torch.Tensor,
+def test_a_rows_last_round_picks_its_bins():
+    """learn files each row's trials under its kind when it chose (whether it samples, what its
+    last round that verified drafts kept), then makes this round its last: a round of no drafts
+    leaves it; a row starting in the batch is FRESH again."""
+    assert [last_round(a, v, SOME) for a, v in ((0, 0), (0, 3), (1, 3), (3, 3), (2, 2))] == [SOME, MISSED, SOME, ALL, ALL]
+    assert len({kind_of(s, last) for s in (0, 1) for last in (FRESH, MISSED, SOME, ALL)}) == KINDS
+    batch = DecodeBatch(3, 4, 2, 16, 3, "cpu", 32)
+    batch.draft_probs[:3] = torch.tensor([[0.97, 0.97, 0.97], [0.97, 0.55, 0.2], [0.55, 0.55, 0.55]])
+    batch.draft_last[:3] = torch.tensor([ALL, FRESH, MISSED])
+    seqs = [SimpleNamespace(row=r, params=SamplingParams(temperature=t)) for r, t in ((0, 0.0), (1, 1.0), (2, 0.0))]
+    calibration = Calibration()
+    learn(calibration, batch, [(3, 3, seqs[0]), (0, 2, seqs[1]), (0, 0, seqs[2])])
+    bins = len(EDGES) + 1
+    top = sum(e <= 0.97 for e in EDGES)
+    assert calibration.trials[kind_of(0, ALL) * bins + top] == 3  # row 0: three trials of its kind's top bin
+    assert calibration.trials[kind_of(1, FRESH) * bins + top] == 1  # row 1: draft 1, missed
+    assert sum(calibration.trials) == 4 and sum(calibration.hits) == 3
+    assert batch.draft_last.tolist() == [ALL, MISSED, MISSED]
+    seq = SimpleNamespace(params=SamplingParams(), tokens=[5], prompt=[5], position=1, pages=[0], row=0, matcher=None)
+    batch.put(0, seq)
+    assert batch.draft_last[0] == FRESH
+
+
+def scattered_widths(probs: torch.Tensor, budget: torch.Tensor, kinds: torch.Tensor, edges: torch.Tensor,
                      params: torch.Tensor, most: int) -> torch.Tensor:
     """A stand-in for row_widths: each row 1 .. W rows by its drafts' probabilities' bits and its
     place (W: the widest the round's rows may average), within what its budget allows.

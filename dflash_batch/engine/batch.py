@@ -15,7 +15,7 @@ import copy
 import torch
 
 from dflash_batch.backends.meta import Ring
-from dflash_batch.engine.row_drafts import EDGES
+from dflash_batch.engine.row_drafts import EDGES, FRESH, KINDS
 from dflash_batch.engine.sequence import Sequence
 from dflash_batch.limits import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
@@ -23,7 +23,7 @@ from dflash_batch.limits import MAX_LOGIT_BIAS, MAX_LOGPROBS
 # The tensors with a row per batch row (a lane takes its rows' views of them).
 PER_ROW = ("ids", "pos", "budget", "tables", "temperature", "top_k", "top_p", "min_p", "min_stop_pos", "bias_ids",
            "bias", "repetition", "frequency", "presence", "counts", "in_prompt", "token_logprob", "top_logprob_ids",
-           "top_logprobs", "seed", "stop_ids", "state_slot", "out", "row_ids", "draft_probs")
+           "top_logprobs", "seed", "stop_ids", "state_slot", "out", "row_ids", "draft_probs", "draft_last")
 
 
 class DecodeBatch:
@@ -86,8 +86,9 @@ class DecodeBatch:
         # Per-row draft counts (engine/row_drafts.py): the drafter's probability of each draft of
         # a round, and what the round's choice reads (the calibration's rates, the cost curve).
         self.draft_probs = full((rows, block - 1), 0.0, torch.float32)
+        self.draft_last = full((rows,), FRESH)  # what each row's last round kept (row_drafts.last_round)
         self.draft_edges = torch.tensor(EDGES, dtype=torch.float32, device=device)
-        self.draft_params = full((2 * len(EDGES) + 2 + block,), 0.0, torch.float64)  # row_drafts.round_params
+        self.draft_params = full((KINDS * (len(EDGES) + 1) + block,), 0.0, torch.float64)  # row_drafts.round_params
         self.q_index = torch.arange(rows * block, device=device).view(rows, block)
         self.row_ids = torch.arange(rows, device=device)  # a round's sequence b runs in row b
         self.no_rows = full((0,), 0)
@@ -116,7 +117,7 @@ class DecodeBatch:
             self.allowed_bits = self.grammar_bits.to(self.device)
         host = {self.pos: seq.position, self.budget: p.max_new_tokens - len(seq.tokens),
                 self.temperature: p.temperature, self.top_k: p.top_k, self.top_p: p.top_p, self.min_p: p.min_p,
-                self.seed: p.seed, self.state_slot: seq.row,
+                self.seed: p.seed, self.state_slot: seq.row, self.draft_last: FRESH,
                 self.min_stop_pos: len(seq.prompt) + p.min_tokens, self.repetition: p.repetition_penalty,
                 self.frequency: p.frequency_penalty, self.presence: p.presence_penalty}
         for tensor, value in host.items():

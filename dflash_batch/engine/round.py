@@ -49,7 +49,7 @@ from dflash_batch import parallel
 from dflash_batch.backends.meta import AttentionBackend, AttnMeta, stagger
 from dflash_batch.engine.batch import DecodeBatch
 from dflash_batch.engine.choice import choose_verified
-from dflash_batch.engine.row_drafts import packed, ragged_rows, row_widths
+from dflash_batch.engine.row_drafts import kind_of, packed, ragged_rows, row_widths
 
 ERROR = 3  # a finished code beside kernels.accept's STOP and LENGTH: the logits were not finite
 
@@ -128,8 +128,9 @@ class Round:
                 hidden = self.drafter(draft_ids, meta("draft", draft_kv, logits_rows=b.no_rows), block_size=B)
                 if per_row:
                     ids[:, 1:], b.draft_probs[:n] = self.drafter.propose_scored(hidden.view(n, B, -1), ids[:, 0])
-                    widths = row_widths(b.draft_probs[:n], b.budget[:n], b.temperature[:n, 0] > 0, b.draft_edges,
-                                        b.draft_params, n * (W - 1))
+                    kinds = kind_of((b.temperature[:n, 0] > 0).long(), b.draft_last[:n])
+                    widths = row_widths(b.draft_probs[:n], b.budget[:n], kinds, b.draft_edges, b.draft_params,
+                                        n * (W - 1))
                     ids.masked_fill_(torch.arange(B, device=ids.device) >= widths[:, None], -1)
                 else:
                     ids[:, 1:] = self.drafter.propose(hidden.view(n, B, -1), ids[:, 0])

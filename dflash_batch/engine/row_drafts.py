@@ -4,7 +4,8 @@ Every draft a round verifies costs the target a row of its forward, accepted or 
 the drafter is sure of a code row's whole block and unsure of a story's second draft. The drafter
 says so itself: its probability p of each draft. A `Calibration` turns p into the chance the
 target accepts that draft once the ones before it were, learned from the run's own verified
-drafts (by bins of p, starting from p itself); the chance that drafts 1..j of a row are all
+drafts (by bins of p and the row's kind: whether it samples, what its last round kept; starting
+from p itself); the chance that drafts 1..j of a row are all
 accepted is the product of theirs, c_j, which falls with j.
 
 A round then verifies, over all rows together, the drafts with the highest c first, for as long
@@ -40,25 +41,40 @@ if TYPE_CHECKING:
 EDGES = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99)
 PRIOR = 8.0  # trials' weight of the drafter's own word in a bin's chance (each bin's mid-point)
 WINDOW = 4096  # a bin's trials are halved past this, so its chance follows the run
+# What a row's last round that verified drafts did: none yet, kept none, kept some, kept all.
+# Acceptance runs in streaks (a row the drafter follows keeps following it), so a row's own
+# last round says more than the drafter's probability alone: each has its own bins.
+FRESH, MISSED, SOME, ALL = range(4)
+KINDS = 8  # a row's kind: whether it samples, and its last round (kind_of)
+
+
+def kind_of(sampled: int | torch.Tensor, last: int | torch.Tensor) -> int | torch.Tensor:
+    """The calibration's kind of a row: its last round (FRESH .. ALL) and whether it samples (the
+    drafter proposes the greedy path: a sampling row takes it less often at the same confidence)."""
+    return sampled + 2 * last
+
+
+def last_round(accepted: int, verified: int, before: int) -> int:
+    """A row's last round after one that verified `verified` drafts and kept `accepted`."""
+    return before if verified == 0 else MISSED if accepted == 0 else ALL if accepted == verified else SOME
 
 
 class Calibration:
     """P(a draft is accepted | the drafts before it were), by the bin of the drafter's probability
-    of it and whether the row samples (the drafter proposes the greedy path: a sampling row takes
-    it less often at the same confidence), over the run's verified drafts: (hits + PRIOR * mid) /
-    (trials + PRIOR) a bin, greedy rows' bins first."""
+    of it and the row's kind (kind_of), over the run's verified drafts: (hits + PRIOR * mid) /
+    (trials + PRIOR) a bin, the bins of kind 0 first."""
 
     def __init__(self):
         lows = (0.0, *EDGES)
-        self.mids = [(lo + hi) / 2 for lo, hi in zip(lows, (*EDGES, 1.0))] * 2
+        self.mids = [(lo + hi) / 2 for lo, hi in zip(lows, (*EDGES, 1.0))] * KINDS
         self.trials = [0.0] * len(self.mids)
         self.hits = [0.0] * len(self.mids)
 
-    def record(self, probs: list[list[float]], verified: list[int], accepted: list[int], sampled: list[bool]) -> None:
+    def record(self, probs: list[list[float]], verified: list[int], accepted: list[int], kinds: list[int]) -> None:
         """Rows whose drafts had these probabilities verified `verified` of them and accepted
-        `accepted` (`sampled`: the row samples): draft j of a row is a trial if the ones before
-        it were accepted."""
-        for p, v, a, kind in zip(probs, verified, accepted, sampled):
+        `accepted` (`kinds`: each row's kind when it chose): draft j of a row is a trial if the
+        ones before it were accepted."""
+        for p, v, a, kind in zip(probs, verified, accepted, kinds):
             for j in range(min(a + 1, v)):
                 b = bisect.bisect_right(EDGES, p[j]) + kind * (len(EDGES) + 1)
                 self.trials[b] += 1
@@ -73,8 +89,8 @@ class Calibration:
 
 def round_params(calibration: Calibration, size: int, costs: list[float]) -> list[float]:
     """What row_widths reads of a round, as DecodeBatch.draft_params holds it: the calibrated
-    chance of each bin (greedy rows', then sampling rows'), then the round's cost curve: a round
-    of `size` rows verifying k drafts each takes costs[k - 1] seconds, k = 1 .. block - 1
+    chance of each bin (kind 0's, then kind 1's, ..), then the round's cost curve: a round of
+    `size` rows verifying k drafts each takes costs[k - 1] seconds, k = 1 .. block - 1
     (engine/schedule.py's table)."""
     return [*calibration.rates(), size, *costs]
 
@@ -106,25 +122,29 @@ def seconds_at(drafts: torch.Tensor, size: torch.Tensor | float, costs: torch.Te
 
 def learn(calibration: Calibration, batch: DecodeBatch, kept: list[tuple[int, int, Sequence]]) -> None:
     """After a per-row round: the drafts its sequences kept and verified are the calibration's
-    trials (of the sequences whose round their end did not cut short)."""
+    trials (of the sequences whose round their end did not cut short), and each row's last
+    round is this one."""
     if not kept:
         return
-    probs = batch.draft_probs[:max(seq.row for _, _, seq in kept) + 1].tolist()
+    rows = max(seq.row for _, _, seq in kept) + 1
+    probs, last = batch.draft_probs[:rows].tolist(), batch.draft_last[:rows].tolist()
     calibration.record([probs[seq.row] for _, _, seq in kept], [v for _, v, _ in kept], [a for a, _, _ in kept],
-                       [seq.params.temperature > 0 for _, _, seq in kept])
+                       [kind_of(seq.params.temperature > 0, last[seq.row]) for _, _, seq in kept])
+    batch.draft_last[torch.tensor([seq.row for _, _, seq in kept])] = torch.tensor(
+        [last_round(a, v, last[seq.row]) for a, v, seq in kept], device=batch.draft_last.device)
 
 
-def row_widths(probs: torch.Tensor, budget: torch.Tensor, sampled: torch.Tensor, edges: torch.Tensor,
+def row_widths(probs: torch.Tensor, budget: torch.Tensor, kinds: torch.Tensor, edges: torch.Tensor,
                params: torch.Tensor, most: int) -> torch.Tensor:
     """Rows verified a sequence (anchor + its drafts), [n], for a round whose drafts have the
     drafter's probabilities `probs` [n, D]: the drafts that pay, at most `most` in all (see the
     module). `budget` [n]: tokens each row may still emit (0: padding, which verifies none);
-    `sampled` [n]: the row samples; `edges`: the bins' (EDGES); `params`: round_params. No host
-    read: a captured round runs it."""
+    `kinds` [n]: each row's kind (kind_of); `edges`: the bins' (EDGES); `params`: round_params.
+    No host read: a captured round runs it."""
     n, D = probs.shape
     bins = edges.numel() + 1
-    rates, size, costs = params[:2 * bins].to(probs.dtype), params[2 * bins], params[2 * bins + 1:]
-    at = torch.bucketize(probs, edges, right=True) + bins * sampled[:, None].long()
+    rates, size, costs = params[:KINDS * bins].to(probs.dtype), params[KINDS * bins], params[KINDS * bins + 1:]
+    at = torch.bucketize(probs, edges, right=True) + bins * kinds[:, None]
     chance = torch.cumprod(rates[at], 1)
     room = (budget - 1).clamp(0, D)  # drafts past a row's budget could never be emitted
     chance = chance.masked_fill(torch.arange(D, device=probs.device) >= room[:, None], 0.0)
