@@ -134,3 +134,22 @@ def test_a_compiling_engine_is_built_with_the_jobs_cache(tmp_path, env):
     engine = build_engine(job, SimpleNamespace(vocab_size=8, decode=str), setup)
     assert engine.compile and engine.compile_if_it_pays
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache" / "inductor")
+
+
+def test_a_ragged_round_runs_uncompiled_where_one_k_rounds_compile(tmp_path, monkeypatch):
+    """With engine.compile on, an auto bucket's per-row rounds (ragged, laid out from a host read:
+    each layout would be a graph of its own) run eagerly; its rounds of one k go through the
+    compiled step (torch.compile replaced by a wrapper that records what it is called with). The
+    tokens are the eager engine's."""
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda fn, dynamic: lambda *args: calls.append(args) or fn(*args))
+    engine, eager = _engine(tmp_path, [])
+    engine.compile_if_it_pays = False
+    b = bucket(max_num_seqs=4, max_tokens=256, speculation="auto")
+    reqs = _requests(6, 24)
+    got = {c.key: c.token_ids for c in engine.generate(reqs, b)}
+    assert got == {c.key: c.token_ids for c in eager.generate(iter(reqs), b)}
+    per_row = [args[5] for args in calls]  # run(batch, n, greedy, max_kv, width, per_row, fixed)
+    (schedule,) = engine.schedules.values()
+    assert schedule.stats()["drafts_verified"]["per row"], "no round went per row"
+    assert calls and not any(per_row), per_row

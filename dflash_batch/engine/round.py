@@ -88,8 +88,9 @@ class Round:
         """Decode one round for rows 0..n-1; the result lands in batch.out[:n]. `greedy`: every
         row has temperature 0 (skips the sampler); `max_kv`: a host-side bound on key lengths;
         `width`: rows verified a sequence (anchor + drafts), default the block; `per_row`,
-        `fixed`: see draft."""
-        if self.eager:
+        `fixed`: see draft (an eager ragged round is not compiled: its layout comes from a host
+        read, and every layout would be a graph of its own)."""
+        if self.eager or (per_row and not fixed):  # a ragged round reads its rows' counts on the host
             self.run(batch, n, greedy, max_kv, width or self.block, per_row, fixed)
             return
         if self.step is None:
