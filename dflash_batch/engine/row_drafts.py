@@ -5,8 +5,8 @@ the drafter is sure of a code row's whole block and unsure of a story's second d
 says so itself: its probability p of each draft. A `Calibration` turns p into the chance the
 target accepts that draft once the ones before it were, learned from the run's own verified
 drafts (by bins of p and the row's kind: whether it samples, what its last round kept; starting
-from p itself); the chance that drafts 1..j of a row are all
-accepted is the product of theirs, c_j, which falls with j.
+from p itself); the chance that drafts 1..j of a row are all accepted is the product of theirs,
+c_j, which falls with j.
 
 A round then verifies, over all rows together, the drafts with the highest c first, for as long
 as they pay (`row_widths`): with m drafts verified it expects R + c_(1) + .. + c_(m) tokens (R
@@ -130,8 +130,9 @@ def learn(calibration: Calibration, batch: DecodeBatch, kept: list[tuple[int, in
     probs, last = batch.draft_probs[:rows].tolist(), batch.draft_last[:rows].tolist()
     calibration.record([probs[seq.row] for _, _, seq in kept], [v for _, v, _ in kept], [a for a, _, _ in kept],
                        [kind_of(seq.params.temperature > 0, last[seq.row]) for _, _, seq in kept])
-    batch.draft_last[torch.tensor([seq.row for _, _, seq in kept])] = torch.tensor(
-        [last_round(a, v, last[seq.row]) for a, v, seq in kept], device=batch.draft_last.device)
+    device = batch.draft_last.device
+    batch.draft_last[torch.tensor([seq.row for _, _, seq in kept], device=device)] = torch.tensor(
+        [last_round(a, v, last[seq.row]) for a, v, seq in kept], device=device)
 
 
 def row_widths(probs: torch.Tensor, budget: torch.Tensor, kinds: torch.Tensor, edges: torch.Tensor,
