@@ -21,7 +21,7 @@ from dflash_batch.backends.meta import AttnMeta, Stagger
 from dflash_batch.kernels import moe_mxfp4, ops
 from dflash_batch.kernels.moe_mxfp4 import situ
 from dflash_batch.models.layers.dtypes import wide, wide_dtype
-from dflash_batch.models.layers.kda import KDAFunction, kda_gate, kda_kernels, kda_recurrent, l2norm, short_conv
+from dflash_batch.models.layers.kda import kda_gate, kda_kernels, l2norm, short_conv
 from dflash_batch.models.layers.linear import (
     ColumnParallelLinear, ParallelLMHead, ReplicatedLinear, RowParallelLinear, VocabParallelEmbedding,
     new_param, per_rank,
@@ -159,10 +159,18 @@ class GatedMLA(nn.Module):
         return self.o_proj(o.reshape(T, self.heads * self.dv))
 
 
-def _running(recurrent: KDAFunction, stagger: Stagger | None) -> dict:
-    """The torch recurrence runs a Stagger's rows only; fla's kernel runs them all (rows past a
-    sequence's own are zeros there, which leave its state as it is)."""
-    return {"running": stagger.running} if stagger is not None and recurrent is kda_recurrent else {}
+def _in_order(stagger: Stagger | None, first: int, state_ids: torch.Tensor) -> tuple[slice | torch.Tensor, torch.Tensor]:
+    """(the staging rows, the state slots) of a verify's sequences in the order a Stagger takes
+    them, or as they come without one; `first`: where sequence 0 is staged."""
+    if stagger is None:
+        return slice(first, first + len(state_ids)), state_ids
+    return first + stagger.order, state_ids[stagger.order]
+
+
+def _running(stagger: Stagger | None) -> dict:
+    """What a recurrent KDA function is told of a Stagger (kda_kernels: the torch loop runs only
+    those rows; fla's kernel runs every row, the ones past a sequence's own being zeros)."""
+    return {} if stagger is None else {"running": stagger.running}
 
 
 class KDA(nn.Module):
@@ -231,15 +239,14 @@ class KDA(nn.Module):
             # them reads; eagerly they are taken widest first and each runs only its own rows
             # (meta.stagger). No host sync: a round is captured as one graph.
             n, stagger = meta.state_ids.shape[0], meta.stagger
-            seqs = slice(meta.first_seq, meta.first_seq + n) if stagger is None else meta.first_seq + stagger.order
-            ids = meta.state_ids if stagger is None else meta.state_ids[stagger.order]
+            seqs, ids = _in_order(stagger, meta.first_seq, meta.state_ids)
             if meta.dense:
                 raw, g, beta = raw.view(n, -1, raw.shape[-1]), g.view(n, -1, H, d), beta.view(n, -1, H)
             else:
                 index = meta.q_index if stagger is None else meta.q_index[stagger.order]
                 raw, g, beta = (torch.cat([t, t.new_zeros(1, *t.shape[1:])])[index] for t in (raw, g, beta))
             q, k, v, _ = self._qkv(raw, self.conv_state[ids])
-            out, _ = recurrent(q, k, v, g, beta, self.state[ids], **_running(recurrent, stagger))
+            out, _ = recurrent(q, k, v, g, beta, self.state[ids], **_running(stagger))
             if meta.dense:
                 out = out.reshape(T, H, d)
             else:
@@ -268,16 +275,15 @@ class KDA(nn.Module):
         `stagger`: the sequences by kept, most first (eager rounds that know kept on the host):
         each then replays only its kept rows."""
         n, rows = len(state_ids), rows or self.staged_raw.shape[1]
-        staged = slice(first, first + n) if stagger is None else first + stagger.order
-        if stagger is not None:
-            state_ids, kept = state_ids[stagger.order], kept[stagger.order]
+        staged, state_ids = _in_order(stagger, first, state_ids)
+        kept = kept if stagger is None else kept[stagger.order]
         raw, conv = self.staged_raw[staged, :rows], self.conv_state[state_ids]
         q, k, v, _ = self._qkv(raw, conv)
         live = torch.arange(rows, device=kept.device) < kept[:, None]  # [n, rows]
         k, v, g = (torch.where(live[:, :, None, None], t, 0) for t in (k, v, self.staged_g[staged, :rows]))
         beta = torch.where(live[:, :, None], self.staged_beta[staged, :rows], 0)
         recurrent, _ = kda_kernels(self.state)
-        _, after = recurrent(q, k, v, g, beta, self.state[state_ids], **_running(recurrent, stagger))
+        _, after = recurrent(q, k, v, g, beta, self.state[state_ids], **_running(stagger))
         self.state[state_ids] = after
         # The conv window after kept[b] rows: the last kernel-1 raw inputs up to there.
         window = torch.cat([conv, raw.transpose(1, 2).to(conv.dtype)], dim=-1)  # [n, C, kernel-1+rows]

@@ -156,5 +156,12 @@ def kda_kernels(state: torch.Tensor) -> tuple[KDAFunction, KDAFunction]:
     (kernels/kda.py) on CUDA when fla is installed and the state is float32, the torch functions
     here otherwise (float64 models: the exactness tests)."""
     if state.is_cuda and state.dtype == torch.float32 and fla_kda.available():
-        return fla_kda.recurrent, fla_kda.chunked
+        return _fla_recurrent, fla_kda.chunked
     return kda_recurrent, kda_chunked
+
+
+def _fla_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   state: torch.Tensor | None, running: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """fla's fused kernel, which runs every row of every sequence: `running` (kda_recurrent's
+    saving) is not needed for its result, the rows past a sequence's own being zeros."""
+    return fla_kda.recurrent(q, k, v, g, beta, state)
