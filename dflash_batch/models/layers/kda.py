@@ -110,9 +110,11 @@ def kda_chunked(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor | None,
-    chunk_size: int = 64,
+    chunk_size: int = 16,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked KDA (prefill), equal to `kda_recurrent` up to rounding; any T, last chunk may be short.
+    `chunk_size`: 16, as fla's kernels tile: a chunk's pairwise decays are [H, C, C, K], so on the
+    CPU 16 ran 5-8x faster than 64 at 70-400 tokens (and 4 or 8 no faster than 16).
 
     Inside a chunk with cumulative log decay G_t (inclusive) and entry state S0, the updates
     u_t = beta_t * (v_t - (decayed S before t)ᵀ k_t) satisfy the unit lower-triangular system
