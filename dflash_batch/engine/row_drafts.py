@@ -12,8 +12,11 @@ A round then verifies, over all rows together, the drafts with the highest c fir
 as they pay (`row_widths`): with m drafts verified it expects R + c_(1) + .. + c_(m) tokens (R
 rows, each emits at least one) in the seconds the bucket's cost curve gives m (the timings
 engine/schedule.py keeps of rounds at each k, read between its points: `seconds_at`), and it
-takes the m with the most tokens a second. A row's c falls with j, so what a row verifies is
-always its first drafts. In a round captured as a CUDA graph the shape is fixed (n rows x the
+takes the m with the most tokens a second, of those that take every row's first draft. A row's
+c falls with j, so what a row verifies is always its first drafts; and each verifies one at
+least: the drafter has run already, the first draft costs one row of the verify, and a row that
+verified none would never be measured again (its last round and the bins its drafts fall in
+would keep their last word: rows the drafter once missed never drafted again). In a round captured as a CUDA graph the shape is fixed (n rows x the
 schedule's width): a draft costs nothing more there, the round takes the best drafts that fill
 it (a flat curve), the rest of the shape masked.
 
@@ -149,13 +152,19 @@ def row_widths(probs: torch.Tensor, budget: torch.Tensor, kinds: torch.Tensor, e
     chance = torch.cumprod(rates[at], 1)
     room = (budget - 1).clamp(0, D)  # drafts past a row's budget could never be emitted
     chance = chance.masked_fill(torch.arange(D, device=probs.device) >= room[:, None], 0.0)
-    top, order = chance.flatten().sort(descending=True, stable=True)
+    first = room > 0  # rows that verify their first draft, whatever it is worth (see the module)
+    key = chance.clone()
+    key[:, 0] += first  # chances are <= 1: first drafts sort before every other
+    order = key.flatten().sort(descending=True, stable=True)[1]
     m = min(most, n * D)
-    top, order = top[:m], order[:m]
+    order = order[:m]
+    top = chance.flatten()[order]
     rows = (budget > 0).sum().to(costs.dtype)
     tokens = rows + torch.cat([top.new_zeros(1), top.cumsum(0)]).to(costs.dtype)
     seconds = seconds_at(torch.arange(m + 1, device=probs.device), size, costs)
-    rate = (tokens / seconds).masked_fill(torch.cat([top.new_zeros(1, dtype=torch.bool), top <= 0]), float("-inf"))
+    too_few = torch.arange(m + 1, device=probs.device) < first.sum().clamp(max=m)
+    worthless = torch.cat([top.new_zeros(1, dtype=torch.bool), top <= 0])
+    rate = (tokens / seconds).masked_fill(too_few | worthless, float("-inf"))
     take = torch.arange(m, device=probs.device) < rate.argmax()  # the first best: the fewer drafts on a tie
     chosen = torch.zeros(n * D, dtype=torch.bool, device=probs.device).scatter(0, order, take)
     return 1 + chosen.view(n, D).sum(1)
