@@ -15,7 +15,8 @@ k a round) and `speculation: auto` (per row). Each auto run follows a one-reques
 (untimed: the round costs timed the first time) and forgets what that learnt, so the timed run
 learns its acceptance and calibration as a run would. Medians over --repeats; "spread" is (max -
 min) / median of per-row's and the best k's repeats, the larger: ratios closer to 1 than it are
-within the noise. Then the cost curve the choice used: a round's time by drafts verified, at
+within the noise. "ceiling" is what per row could reach at most: the k = 7 run had each round
+verified only the drafts it kept (`ceiling`). Then the cost curve the choice used: a round's time by drafts verified, at
 each batch size (the schedule's table, timed on padding rows: what row_widths reads).
 
 usage: python benchmarks/row_drafts.py [--repeats 3] [--threads 1] [--max-new-tokens 64]
@@ -39,11 +40,37 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.demo_pair import load_demo  # noqa: E402
 from dflash_batch.engine.engine import Engine  # noqa: E402
 from dflash_batch.engine.request import Request, SamplingParams  # noqa: E402
+from dflash_batch.engine.row_drafts import seconds_at  # noqa: E402
+from dflash_batch.engine.schedule import Schedule  # noqa: E402
 from dflash_batch.plan.buckets import Bucket  # noqa: E402
 
 BATCHES = (1, 16, 64, 128)
 FIXED = range(1, 8)  # k = 0 (target-only rounds) was never the best: 0.65-0.82x k = 1 (docs/figures.md)
 AUTO = ("one k", "per row")
+ROUNDS: list[tuple[int, float, int, int]] = []  # the rounds of the decode running: (rows, seconds, kept, verified)
+
+
+def listen() -> None:
+    """Keep each round's rows, seconds and drafts kept and verified (Schedule.record: once a round)."""
+    record = Schedule.record
+
+    def listened(self, n, k, seconds, accepted, verified, *rest):
+        ROUNDS.append((n, seconds, sum(accepted), sum(verified)))
+        return record(self, n, k, seconds, accepted, verified, *rest)
+    Schedule.record = listened
+
+
+def ceiling(tokens: int, seconds: float, rounds: list[tuple[int, float, int, int]], schedule: Schedule) -> float:
+    """Tokens/s of a k = 7 run had each round verified only the drafts it kept: each round's time
+    scaled along the cost curve from the drafts it verified to those it kept, the rest (prefill)
+    as it was. A row emits its kept drafts and the target's token after them either way, so no
+    choice of drafts per row emits more in a round for less: what per row could reach at most."""
+    saved = 0.0
+    for n, took, kept, verified in rounds:
+        size, costs = schedule.curve(n)
+        at = seconds_at(torch.tensor([kept, verified]), size, torch.tensor(costs, dtype=torch.float64)).tolist()
+        saved += took * (1 - at[0] / at[1])
+    return tokens / (seconds - saved)
 
 
 def main() -> None:
@@ -57,6 +84,7 @@ def main() -> None:
     ap.add_argument("--min-requests", type=int, default=16)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    listen()
     target, drafter, tok, eos, prompts = load_demo(args.models, every_dataset=True)
     greedy = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=eos)
     sampled = dict(greedy, temperature=1.0, top_p=0.95)
@@ -78,33 +106,39 @@ def main() -> None:
         def decode(bucket: Bucket, count: int) -> float:
             reqs = [Request((str(i), 0), prompt, SamplingParams(seed=i, **params))
                     for i, (prompt, params) in ((i, settings(i)) for i in range(count))]
+            ROUNDS.clear()
             t0 = time.perf_counter()
             out = list(engine.generate(reqs, bucket))
-            return sum(len(c.token_ids) for c in out) / (time.perf_counter() - t0)
+            return sum(len(c.token_ids) for c in out), time.perf_counter() - t0
 
         print(f"\n{name}: tokens/s, median of {args.repeats}")
         print(f"{'batch':>5} " + " ".join(f"{f'k={k}':>6}" for k in FIXED) + f" {'one k':>6} {'per row':>7} "
-              f"{'best k':>6} {'per row/best':>12} {'per row/one k':>13} {'spread':>6}  drafts verified per kept "
-              "(per row; best k)")
+              f"{'best k':>6} {'per row/best':>12} {'per row/one k':>13} {'ceiling/best':>12} {'spread':>6}  "
+              "drafts verified per kept (per row; best k)")
         for batch in map(int, args.batches.split(",")):
             count = max(batch, args.min_requests)
             buckets = {k: Bucket(0, f"k{k}", 1024, batch, True, None, k) for k in FIXED}
             buckets |= {mode: Bucket(0, mode, 1024, batch, "auto", None, None, mode == "per row") for mode in AUTO}
             runs = {mode: [] for mode in buckets}
-            kept = {}
+            kept, whole = {}, []  # whole: each repeat's k = 7 run (tokens, seconds, its rounds)
             for _ in range(args.repeats):
                 for mode, bucket in buckets.items():  # in turn: a drift of the machine touches each alike
                     decode(bucket, 1)  # warm-up: the shape allocated; auto's round costs timed once
                     if mode in AUTO:
                         engine.schedules[mode].forget_run()
-                    runs[mode].append(decode(bucket, count))
+                    tokens, seconds = decode(bucket, count)
+                    runs[mode].append(tokens / seconds)
                     kept[mode] = engine.schedules[bucket.name].stats()["verified_per_kept"]
+                    if mode == max(FIXED):
+                        whole.append((tokens, seconds, list(ROUNDS)))
             rates = {mode: statistics.median(r) for mode, r in runs.items()}
+            top = statistics.median(ceiling(*run, engine.schedules["per row"]) for run in whole)
             best = max(FIXED, key=rates.get)
             spread = max((max(runs[m]) - min(runs[m])) / rates[m] for m in (best, "per row"))
             print(f"{batch:>5} " + " ".join(f"{rates[k]:>6.0f}" for k in FIXED)
                   + f" {rates['one k']:>6.0f} {rates['per row']:>7.0f} {best:>6} "
-                  f"{rates['per row'] / rates[best]:>12.2f} {rates['per row'] / rates['one k']:>13.2f} {spread:>6.2f}"
+                  f"{rates['per row'] / rates[best]:>12.2f} {rates['per row'] / rates['one k']:>13.2f} "
+                  f"{top / rates[best]:>12.2f} {spread:>6.2f}"
                   f"  {kept['per row']['per row']}; {kept[best]['one k']}", flush=True)
             schedule = engine.schedules["per row"]
             curves[batch] = schedule.stats()["cost_ms"]
