@@ -162,7 +162,7 @@ def ragged_rounds(monkeypatch) -> None:
     held at the block's, so no round is target-only) and never stop speculating; a failed round
     fails the test (the engine would otherwise redo its sequences one at a time)."""
     monkeypatch.setattr(round_module, "row_widths", scattered_widths)
-    monkeypatch.setattr(Schedule, "drafts", lambda self, n, ragged=False: self.block - 1 if self.pinned is None else self.pinned)
+    monkeypatch.setattr(Schedule, "drafts", lambda self, n: self.block - 1 if self.pinned is None else self.pinned)
     monkeypatch.setattr(Schedule, "time_rounds",
                         lambda self, run: setattr(self, "costs", {s: [1.0] * self.block for s in self.sizes}))
     monkeypatch.setattr(Schedule, "pays_nowhere", lambda self: False)
@@ -298,41 +298,6 @@ def test_per_row_off_and_pinned_verify_one_k_for_every_row(pairs, ragged):
         if spec.drafts is not None:
             assert set(map(int, stats["drafts_verified"]["one k"])) <= set(range(4))
             assert Counter(stats["drafts_verified"]["one k"]).most_common(1)[0][0] == "3"
-
-
-@pytest.mark.numerics
-def test_eager_per_row_rounds_draft_where_one_k_would_verify_none(pairs, monkeypatch):
-    """A cost table where drafts pay only at the smallest batch size: one k a round would run
-    the 4-row rounds target-only (k = 0); per row, eager, every round drafts and each row
-    verifies its first draft (no more, each costing 100x a round, once the schedule has
-    explored), and greedy decoding is still the target's own."""
-    target, drafter = pairs["qwen3"]
-    prompts = random_prompts([40, 3, 90, 17], vocab=8, seed=3)
-    want = [c.token_ids for c in run(Engine(target, None, dtype=F64), prompts, bucket(max_num_seqs=4), max_new_tokens=30)]
-
-    def costs(self, run):  # drafts are free at the smallest size, 100x a round each elsewhere
-        self.costs = {s: [1.0 + (0 if s == self.sizes[0] else 100.0 * k) for k in range(self.block)] for s in self.sizes}
-    monkeypatch.setattr(Schedule, "time_rounds", costs)
-    # The table as it is: no correction from the rounds' real times (milliseconds, not 100 s).
-    monkeypatch.setattr(Schedule, "correction", property(lambda self: {}, lambda self, value: None), raising=False)
-    monkeypatch.setattr(Schedule, "below_floor", lambda self: False)  # the bucket's own stop: not this test's
-    monkeypatch.setattr(Schedule, "pays_nowhere", lambda self: False)
-    for per_row in (True, False):
-        engine = Engine(target, drafter, dtype=F64, auto_speculation=(1.0, 6))
-        spec = bucket(max_num_seqs=4, speculation="auto")
-        got = run(engine, prompts, spec.__class__(**{**spec.__dict__, "per_row": per_row}), max_new_tokens=30)
-        assert [c.token_ids for c in got] == want
-        (schedule,) = engine.schedules.values()
-        by_k = Counter()
-        for rounds in schedule.rounds.values():
-            by_k.update(rounds)
-        if per_row:
-            assert 0 not in by_k and sum(by_k.values()) > 6, by_k
-            verified = verified_counts(engine)
-            # Exploring, the whole block (a flat curve); then the first draft alone; none: a last token.
-            assert set(verified) <= {0, 1, 7} and verified[1] > 4 * verified[7] and verified[0] <= len(prompts), verified
-        else:  # the neighbour: one k a round runs target-only rounds once it has explored
-            assert by_k[0] > 0, by_k
 
 
 def job(pairs_dir: Path, speculation, pp: int = 1, **engine):

@@ -169,7 +169,6 @@ class Engine:
         self.rings = ring_rows(self.drafter, self.ring, seqs, self.page_size, split)
         batch.clear_all()  # a previous generate that was closed early may have left rows
         schedule = self._schedule(bucket, block, batch, step, graphs) if block > 1 else None
-        ragged = graphs is None and self._per_row(bucket)  # rounds that choose each row's drafts
         self.heads = HeadPool(heads, seqs * pages_per_row + 1, batch.head_pages, self.page_size,
                               self.target if self.recurrent else None)
         q = Queue(requests, seqs, self.budget, self.heads)
@@ -205,7 +204,7 @@ class Engine:
                         finished = [s for s in finished if s.finish_reason]
                     else:
                         size = self.padded(max(i for i, s in enumerate(q.running) if s is not None) + 1)
-                        plan = block - 1 if schedule is None else schedule.plan(size, ragged)
+                        plan = block - 1 if schedule is None else schedule.plan(size)
                         if schedule is not None and schedule.pinned is None:
                             plan = parallel.agreed(plan)  # each rank timed its own rounds
                         k = max(plan, 0)

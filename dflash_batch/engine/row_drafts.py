@@ -15,8 +15,8 @@ engine/schedule.py keeps of rounds at each k, read between its points: `seconds_
 takes the m with the most tokens a second, of those that take every row's first draft. A row's
 c falls with j, so what a row verifies is always its first drafts; and each verifies one at
 least: the drafter has run already, the first draft costs one row of the verify, and a row that
-verified none would never be measured again (its last round and the bins its drafts fall in
-would keep their last word: rows the drafter once missed never drafted again). In a round captured as a CUDA graph the shape is fixed (n rows x the
+verifies none is not measured (its last round stays what it was, and bins no row verifies keep
+their estimate: a row the drafter once missed could verify none from then on). In a round captured as a CUDA graph the shape is fixed (n rows x the
 schedule's width): a draft costs nothing more there, the round takes the best drafts that fill
 it (a flat curve), the rest of the shape masked.
 

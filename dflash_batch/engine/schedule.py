@@ -167,23 +167,19 @@ class Schedule:
         return not self.costs or self.acceptance.samples < self.explore
 
     # -- deciding ------------------------------------------------------------------------------
-    def drafts(self, n: int, ragged: bool = False) -> int:
-        """How many drafts the round of n rows verifies. `ragged`: at most; the round chooses each
-        row's own (an eager per-row round, engine/row_drafts.py), so it drafts: one k for every
-        row, from the acceptance of all rows together, would give up the rows the drafter follows
-        for those it does not (case (c) of benchmarks/row_drafts.py ran a third of its rounds
-        with no drafts so). Only the whole bucket stops drafting (pays_nowhere, below_floor)."""
+    def drafts(self, n: int) -> int:
+        """How many drafts the round of n rows verifies."""
         if self.pinned is not None:
             return self.pinned
-        if self.exploring or ragged:
+        if self.exploring:
             return self.block - 1
         return self.best(self.size_of(n))
 
-    def plan(self, n: int, ragged: bool = False) -> int:
-        """The round of n rows' k (`ragged`: see drafts), or NOWHERE: the drafts pay at no batch
-        size, so it verifies none and the bucket stops speculating after it. One number, so that
-        under TP one broadcast makes rank 0's plan the group's (each rank timed its own rounds)."""
-        return NOWHERE if self.pays_nowhere() else self.drafts(n, ragged)
+    def plan(self, n: int) -> int:
+        """The round of n rows' k, or NOWHERE: the drafts pay at no batch size, so it verifies
+        none and the bucket stops speculating after it. One number, so that under TP one
+        broadcast makes rank 0's plan the group's (each rank timed its own rounds)."""
+        return NOWHERE if self.pays_nowhere() else self.drafts(n)
 
     def why_stop(self, nowhere: bool) -> str | None:
         """Why an auto bucket stops speculating after this round (None: it goes on): the whole
