@@ -15,8 +15,9 @@ k a round) and `speculation: auto` (per row). Each auto run follows a one-reques
 (untimed: the round costs timed the first time) and forgets what that learnt, so the timed run
 learns its acceptance and calibration as a run would. Medians over --repeats; "spread" is (max -
 min) / median of per-row's and the best k's repeats, the larger: ratios closer to 1 than it are
-within the noise. "ceiling" is what per row could reach at most: the k = 7 run had each round
-verified only the drafts it kept (`ceiling`). Then the cost curve the choice used: a round's time by drafts verified, at
+within the noise. "k=7 trimmed" is what a perfect trim of k = 7's drafts would reach: its run
+had each round verified only the drafts it kept (`trimmed`); below the best k, no choice of
+drafts per row in rounds that all draft can reach the best k there. Then the cost curve the choice used: a round's time by drafts verified, at
 each batch size (the schedule's table, timed on padding rows: what row_widths reads).
 
 usage: python benchmarks/row_drafts.py [--repeats 3] [--threads 1] [--max-new-tokens 64]
@@ -60,11 +61,11 @@ def listen() -> None:
     Schedule.record = listened
 
 
-def ceiling(tokens: int, seconds: float, rounds: list[tuple[int, float, int, int]], schedule: Schedule) -> float:
+def trimmed(tokens: int, seconds: float, rounds: list[tuple[int, float, int, int]], schedule: Schedule) -> float:
     """Tokens/s of a k = 7 run had each round verified only the drafts it kept: each round's time
     scaled along the cost curve from the drafts it verified to those it kept, the rest (prefill)
     as it was. A row emits its kept drafts and the target's token after them either way, so no
-    choice of drafts per row emits more in a round for less: what per row could reach at most."""
+    choice of drafts per row emits more in a drafting round for less."""
     saved = 0.0
     for n, took, kept, verified in rounds:
         size, costs = schedule.curve(n)
@@ -113,7 +114,7 @@ def main() -> None:
 
         print(f"\n{name}: tokens/s, median of {args.repeats}")
         print(f"{'batch':>5} " + " ".join(f"{f'k={k}':>6}" for k in FIXED) + f" {'one k':>6} {'per row':>7} "
-              f"{'best k':>6} {'per row/best':>12} {'per row/one k':>13} {'ceiling/best':>12} {'spread':>6}  "
+              f"{'best k':>6} {'per row/best':>12} {'per row/one k':>13} {'k=7 trimmed/best':>17} {'spread':>6}  "
               "drafts verified per kept (per row; best k)")
         for batch in map(int, args.batches.split(",")):
             count = max(batch, args.min_requests)
@@ -132,13 +133,13 @@ def main() -> None:
                     if mode == max(FIXED):
                         whole.append((tokens, seconds, list(ROUNDS)))
             rates = {mode: statistics.median(r) for mode, r in runs.items()}
-            top = statistics.median(ceiling(*run, engine.schedules["per row"]) for run in whole)
+            trim = statistics.median(trimmed(*run, engine.schedules["per row"]) for run in whole)
             best = max(FIXED, key=rates.get)
             spread = max((max(runs[m]) - min(runs[m])) / rates[m] for m in (best, "per row"))
             print(f"{batch:>5} " + " ".join(f"{rates[k]:>6.0f}" for k in FIXED)
                   + f" {rates['one k']:>6.0f} {rates['per row']:>7.0f} {best:>6} "
                   f"{rates['per row'] / rates[best]:>12.2f} {rates['per row'] / rates['one k']:>13.2f} "
-                  f"{top / rates[best]:>12.2f} {spread:>6.2f}"
+                  f"{trim / rates[best]:>17.2f} {spread:>6.2f}"
                   f"  {kept['per row']['per row']}; {kept[best]['one k']}", flush=True)
             schedule = engine.schedules["per row"]
             curves[batch] = schedule.stats()["cost_ms"]
