@@ -16,9 +16,10 @@ takes the m with the most tokens a second, of those that take every row's first 
 c falls with j, so what a row verifies is always its first drafts; and each verifies one at
 least: the drafter has run already, the first draft costs one row of the verify, and a row that
 verifies none is not measured (its last round stays what it was, and bins no row verifies keep
-their estimate: a row the drafter once missed could verify none from then on). In a round captured as a CUDA graph the shape is fixed (n rows x the
-schedule's width): a draft costs nothing more there, the round takes the best drafts that fill
-it (a flat curve), the rest of the shape masked.
+their estimate: a row the drafter once missed could verify none from then on). In a round
+captured as a CUDA graph the shape is fixed (n rows x the schedule's width): a draft costs
+nothing more there, the round takes the best drafts that fill it (a flat curve), the rest of
+the shape masked.
 
 The verify then runs the rows' anchors and chosen drafts packed one after the other (a ragged
 forward, `ragged_rows`); a row's drafts past its count are blanked (-1), so none can be accepted,
