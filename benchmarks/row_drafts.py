@@ -17,8 +17,9 @@ learns its acceptance and calibration as a run would. Medians over --repeats; "s
 min) / median of per-row's and the best k's repeats, the larger: ratios closer to 1 than it are
 within the noise. "k=7 trimmed" is what a perfect trim of k = 7's drafts would reach: its run
 had each round verified only the drafts it kept (`trimmed`); below the best k, no choice of
-drafts per row in rounds that all draft can reach the best k there. Then the cost curve the choice used: a round's time by drafts verified, at
-each batch size (the schedule's table, timed on padding rows: what row_widths reads).
+drafts per row in rounds that all draft can reach the best k there. Then the cost curve the
+choice used: a round's time by drafts verified, at each batch size (the schedule's table, timed
+on padding rows: what row_widths reads).
 
 usage: python benchmarks/row_drafts.py [--repeats 3] [--threads 1] [--max-new-tokens 64]
                                        [--batches 1,16,64,128] [--cases a,b] [--min-requests 16]
