@@ -22,10 +22,10 @@ from torch import nn
 
 from dflash_batch import parallel
 from dflash_batch.backends.torch_attention import SCORES_LIMIT
+from dflash_batch.models.layers.kda import CHUNK as KDA_CHUNK
 
 WIDE = 4  # float32: norms, gates, router scores, logits
 SAMPLER_COPIES = 6  # float32 copies of a row's logits while it is sampled (sampling_bytes)
-KDA_CHUNK = 64  # layers/kda.py's chunked form
 
 
 @dataclass(frozen=True)
