@@ -159,12 +159,13 @@ class GatedMLA(nn.Module):
         return self.o_proj(o.reshape(T, self.heads * self.dv))
 
 
-def _in_order(stagger: Stagger | None, first: int, state_ids: torch.Tensor) -> tuple[slice | torch.Tensor, torch.Tensor]:
-    """(the staging rows, the state slots) of a verify's sequences in the order a Stagger takes
-    them, or as they come without one; `first`: where sequence 0 is staged."""
+def _in_order(stagger: Stagger | None, first: int, *per_sequence: torch.Tensor) -> tuple:
+    """(the staging rows, then each of `per_sequence` [n, ...]) of a verify's sequences in the
+    order a Stagger takes them, or as they come without one; `first`: where sequence 0 is staged."""
+    n = len(per_sequence[0])
     if stagger is None:
-        return slice(first, first + len(state_ids)), state_ids
-    return first + stagger.order, state_ids[stagger.order]
+        return slice(first, first + n), *per_sequence
+    return first + stagger.order, *(t[stagger.order] for t in per_sequence)
 
 
 def _running(stagger: Stagger | None) -> dict:
@@ -239,11 +240,10 @@ class KDA(nn.Module):
             # them reads; eagerly they are taken widest first and each runs only its own rows
             # (meta.stagger). No host sync: a round is captured as one graph.
             n, stagger = meta.state_ids.shape[0], meta.stagger
-            seqs, ids = _in_order(stagger, meta.first_seq, meta.state_ids)
+            seqs, ids, index = _in_order(stagger, meta.first_seq, meta.state_ids, meta.q_index)
             if meta.dense:
                 raw, g, beta = raw.view(n, -1, raw.shape[-1]), g.view(n, -1, H, d), beta.view(n, -1, H)
             else:
-                index = meta.q_index if stagger is None else meta.q_index[stagger.order]
                 raw, g, beta = (torch.cat([t, t.new_zeros(1, *t.shape[1:])])[index] for t in (raw, g, beta))
             q, k, v, _ = self._qkv(raw, self.conv_state[ids])
             out, _ = recurrent(q, k, v, g, beta, self.state[ids], **_running(stagger))
@@ -275,8 +275,7 @@ class KDA(nn.Module):
         `stagger`: the sequences by kept, most first (eager rounds that know kept on the host):
         each then replays only its kept rows."""
         n, rows = len(state_ids), rows or self.staged_raw.shape[1]
-        staged, state_ids = _in_order(stagger, first, state_ids)
-        kept = kept if stagger is None else kept[stagger.order]
+        staged, state_ids, kept = _in_order(stagger, first, state_ids, kept)
         raw, conv = self.staged_raw[staged, :rows], self.conv_state[state_ids]
         q, k, v, _ = self._qkv(raw, conv)
         live = torch.arange(rows, device=kept.device) < kept[:, None]  # [n, rows]
