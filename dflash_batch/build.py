@@ -298,5 +298,5 @@ def build_engine(job: Job, tokenizer: Tokenizer, setup: EngineSetup | None = Non
                   share_prompts=job.engine.share_prompts,
                   shared_head_tokens=job.engine.shared_head_tokens, log=say,
                   auto_speculation=(auto.min_acc_len, auto.rounds), micro_batches=job.engine.micro_batches,
-                  per_row=setup.per_row)
+                  per_row=setup.per_row, turn_caches=job.engine.turn_caches)
 

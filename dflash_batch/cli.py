@@ -589,7 +589,8 @@ def report(out_dir: str, group_by: str | None, as_json: bool, plot_path: str | N
               "of OpenAI Batch API output lines, one per request.")
 @click.option("--rows-per-file", type=click.IntRange(min=1), default=100_000, show_default=True)
 @click.option("--messages", "messages_column", help="hf: add an SFT `messages` column: this passthrough "
-              "column's chat messages (or text, as one user turn), then the assistant's response (and reasoning).")
+              "column's chat messages (or text, as one user turn), then the assistant's response (and reasoning); "
+              "`conversation` in a run of conversations: every turn, tool calls and results included.")
 @click.option("--partial", is_flag=True, help="Export a run that has not finished: the rows committed so far "
               "(the card says so). Without it, such a run is refused.")
 def export(out_dir: str, dest: str, fmt: str, rows_per_file: int, messages_column: str | None, partial: bool) -> None:

@@ -61,6 +61,10 @@ class InputSpec(_Strict):
                                       "that have none.")
     tools_column: str | None = Field(None, description="Tool definitions (a list of objects) passed to the "
                                      "chat template as `tools`, as transformers' apply_chat_template does.")
+    followups_column: str | None = Field(None, description="Later user turns of each row's conversation (a "
+                                         "list of strings or {role, content} messages): each follows the "
+                                         "assistant's turn before it, through the chat template (docs: "
+                                         "Conversations).")
     passthrough_columns: list[str] = Field(default_factory=list, description="Input columns copied to "
                                            "the output rows unchanged.")
     sampling_columns: dict[str, str] = Field(default_factory=dict, description="Per-row sampling "
@@ -89,7 +93,8 @@ class InputSpec(_Strict):
     @model_validator(mode="after")
     def _one_prompt_column(self) -> InputSpec:
         if self.format == "openai_batch":
-            fixed = [f for f in ("prompt_column", "messages_column", "input_ids_column", "id_column", "tools_column")
+            fixed = [f for f in ("prompt_column", "messages_column", "input_ids_column", "id_column", "tools_column",
+                                 "followups_column")
                      if getattr(self, f)] + ["sampling_columns"] * bool(self.sampling_columns)
             if fixed:
                 raise ValueError(f"format openai_batch: each request line gives its own id, prompt, tools and "
@@ -101,6 +106,8 @@ class InputSpec(_Strict):
                              f"(got {len(given)})")
         if self.tools_column and not self.messages_column:
             raise ValueError("tools_column is only used with messages_column (the chat template renders it)")
+        if self.followups_column and not self.messages_column:
+            raise ValueError("followups_column needs messages_column (the chat template renders each turn)")
         return self
 
     def rows_may_set(self, field: str) -> bool:
@@ -155,6 +162,9 @@ class EngineSpec(_Strict):
     share_prompts: bool = Field(True, description="Rows whose prompts begin alike (64 tokens or more) prefill "
                                 "that head once, and samples of one prompt admitted together prefill it once "
                                 "(docs: Job file, engine.share_prompts).")
+    turn_caches: bool = Field(True, description="A conversation's later turns go on from its row's caches and "
+                              "prefill only their own tokens; false: each turn prefills its whole history, as a "
+                              "single-turn engine must (to compare).")
     shared_head_tokens: int = Field(8192, ge=0, description="The longest prompt head rows share (a longer "
                                     "one is shared this far); the memory plan counts two heads of it per "
                                     "bucket, once. 0: no shared heads (samples of a prompt still fork); "
@@ -380,6 +390,42 @@ class RetrySpec(_Strict):
                                     "(dotted name -> value); a sampling field here replaces rows' own values.")
 
 
+_DOTTED = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
+
+
+class ToolsSpec(_Strict):
+    """The functions a conversation's assistant turns may call."""
+
+    module: str = Field(pattern=_DOTTED, description="An importable Python module: its public functions are the "
+                        "tools (only those, by name, with JSON arguments; nothing the model writes is evaluated). "
+                        "Its TOOLS list, if any, gives their definitions for the chat template; else they are read "
+                        "from the functions' signatures and docstrings.")
+    timeout_s: float = Field(30.0, gt=0, description="A call still running after this long gives the model an "
+                             "error message instead of its result.")
+    format: Literal["auto", "hermes", "kimi"] = Field(
+        "auto", description="How assistant turns write tool calls: hermes (<tool_call>{json}</tool_call>: Qwen3), "
+        "kimi (<|tool_call_begin|>...: Kimi-K2/K3); auto: the one the chat template writes.")
+
+
+class FollowupsSpec(_Strict):
+    function: str = Field(pattern=_DOTTED[:-1] + r":[A-Za-z_][A-Za-z0-9_]*$",
+                          description="module:function, called with the conversation's messages after each "
+                          "assistant turn; returns the next user message (a string or a message dict) or None "
+                          "to end the conversation (a user simulator).")
+
+
+class ConversationSpec(_Strict):
+    """Rows that are conversations: later user turns (input.followups_column, or a simulator)
+    and tool calls, each continuing from the row's caches (docs: Conversations)."""
+
+    max_turns: int = Field(8, ge=1, le=1024, description="Assistant turns a conversation has at most (turns that "
+                           "call tools count).")
+    tools: ToolsSpec | None = None
+    followups: FollowupsSpec | None = Field(None, description="A user simulator (instead of, or after, the "
+                                            "followups column's turns).")
+    tool_workers: int = Field(8, ge=1, le=256, description="Threads that run tool calls and the simulator.")
+
+
 class Job(_Strict):
     version: Literal[1] = 1
     name: str | None = None
@@ -393,6 +439,8 @@ class Job(_Strict):
         "error", description="A prompt that does not fit the largest bucket edge - max_new_tokens.")
     output: OutputSpec
     sharding: ShardingSpec = ShardingSpec()
+    conversation: ConversationSpec | None = Field(None, description="Rows as conversations with tools or a user "
+                                                  "simulator (input.followups_column alone needs none).")
     retry: RetrySpec | None = Field(None, description="Set by `dflash-batch retry`: the run it redoes rows of.")
 
     @model_validator(mode="before")
@@ -430,6 +478,30 @@ class Job(_Strict):
             raise ValueError("engine.auto_speculation is set but no bucket has speculation: auto; remove it")
         return self
 
+    @model_validator(mode="after")
+    def _conversations_read_messages(self) -> Job:
+        if self.conversation is not None and not self.input.messages_column:
+            raise ValueError("conversation needs input.messages_column (the chat template renders each turn)")
+        if not self.conversations:
+            return self
+        for field in ("logprobs", "prompt_logprobs", *GRAMMAR_FIELDS):
+            if getattr(self.sampling, field) is not None or field in self.input.sampling_columns:
+                raise ValueError(f"sampling.{field} is not supported in conversations yet (a turn's {field} would "
+                                 "have to be kept per turn); remove it or the conversation settings")
+        if self.model.pipeline_parallel_size > 1:
+            raise ValueError("conversations do not run under pipeline stages yet (model.pipeline_parallel_size 1)")
+        hosted = self.conversation is not None and (self.conversation.tools or self.conversation.followups)
+        if hosted and self.model.tensor_parallel_size > 1:
+            raise ValueError("conversation.tools and conversation.followups run on one host: under "
+                             "tensor_parallel_size > 1 every rank would need rank 0's results (not yet); "
+                             "input.followups_column works there")
+        return self
+
+    @property
+    def conversations(self) -> bool:
+        """Its rows are conversations (every row, though some end after one turn)."""
+        return self.conversation is not None or self.input.followups_column is not None
+
     def resolved_buckets(self) -> list[BucketSpec]:
         return self.buckets or [BucketSpec(max_tokens=self.engine.max_model_len)]
 
@@ -455,10 +527,12 @@ class Job(_Strict):
 # empty file through: it adds no row).
 TUNING: dict[str, set[str]] = {
     "engine": {"max_num_seqs", "max_num_batched_tokens", "share_prompts", "shared_head_tokens", "backend",
+               "turn_caches",
                "context_parallel", "gpu_memory_headroom",
                "cuda_graphs", "compile",
                "cudagraph_capture_sizes", "cache_dir"},
     "input": {"workers", "allow_empty"},
+    "conversation": {"tool_workers"},
     "output": {"dir", "rows_per_part", "flush_seconds", "max_error_fraction"},  # the last: the exit code only
 }
 

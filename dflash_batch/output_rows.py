@@ -13,7 +13,10 @@ from collections.abc import Callable, Container
 
 from tqdm import tqdm
 
-from dflash_batch.engine.request import Completion, Engine, Request, SamplingParams
+from dflash_batch.conversation import Conversation, Conversations
+from dflash_batch.engine.request import Completion, Engine, Request, RequestKey, SamplingParams, SpecCounters
+from dflash_batch.io.outputs import CONVERSATION_COLUMNS
+from dflash_batch.io.turn_journal import TurnJournal
 from dflash_batch.grammar import Grammars, asks_for_grammar, wants_grammar
 from dflash_batch.job import Job, SamplingSpec
 from dflash_batch.keys import Shard
@@ -35,6 +38,7 @@ def optional_columns(job: Job, delimiters: Delimiters | None) -> list[str]:
                                 ("reasoning", delimiters is not None)) if on]
     optional += ["logprobs", "top_logprob_ids", "top_logprobs"] * asked("logprobs")
     optional += ["prompt_logprobs", "prompt_top_logprob_ids", "prompt_top_logprobs"] * asked("prompt_logprobs")
+    optional += list(CONVERSATION_COLUMNS) * job.conversations + ["turn_token_ids"] * (job.conversations and with_ids)
     return optional
 
 
@@ -46,7 +50,9 @@ class RowDecoder:
 
     def __init__(self, job: Job, shard: Shard, tokenizer: Tokenizer, engine: Engine, config_hash: str,
                  delimiters: Delimiters | None, done: Container[tuple[str, int]],
-                 commit: Callable[[list[dict]], None], progress: bool = False):
+                 commit: Callable[[list[dict]], None], progress: bool = False,
+                 journal: TurnJournal = TurnJournal(None)):
+        """`journal`: where conversations keep their finished turns (io/turn_journal.py)."""
         self.job, self.shard, self.tok, self.engine = job, shard, tokenizer, engine
         self.config_hash, self.delimiters, self.done = config_hash, delimiters, done
         self.commit, self.progress = commit, progress
@@ -56,6 +62,10 @@ class RowDecoder:
         self.default_params = self._params(job.sampling)
         vocab = engine.vocab_size or tokenizer.vocab_size  # a stand-in engine may not say
         self.grammars = Grammars(tokenizer, vocab, list(self.eos)) if asks_for_grammar(job) else None
+        self.conversations = Conversations(job, tokenizer, journal) if job.conversations else None
+        self.talks: dict[RequestKey, Conversation] = {}  # the conversations running, by key
+        # Conversations whose next turn outgrew their bucket, by the bucket they go on in.
+        self.moved: dict[int, list[tuple[PreparedRow, Request]]] = {}
         self.later: dict[str, list[PreparedRow]] = {}  # a window's rows whose id an earlier row holds
         self.to_commit: dict[str, int] = {}  # the samples those ids' first rows have still to commit
 
@@ -81,7 +91,8 @@ class RowDecoder:
         return {**self._base_row(row, c.key[1], seed), "status": "error", "finish_reason": "error",
                 "error_type": c.error_type, "error": c.error, "latency_s": c.latency_s}
 
-    def _ok_row(self, row: PreparedRow, seed: int, c: Completion) -> dict:
+    def _ok_row(self, row: PreparedRow, seed: int, c: Completion, prompt_ids: list[int] | None = None) -> dict:
+        """`prompt_ids`: what the completion followed (a conversation's last turn: its history)."""
         out = {**self._base_row(row, c.key[1], seed), "status": "ok", "response": c.text,
                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                "completion_tokens": len(c.token_ids), "response_token_ids": c.token_ids,
@@ -91,7 +102,8 @@ class RowDecoder:
             by_string = c.stop_reason is not None and c.stop_reason in row.sampling.stop
             ids = c.token_ids[:-1] if c.finish_reason == "stop" and not by_string else c.token_ids
             out["reasoning"], out["response"] = split_reasoning(
-                row.prompt_ids, ids, c.stop_reason if by_string else None, self.delimiters, self.tok.decode)
+                prompt_ids or row.prompt_ids, ids, c.stop_reason if by_string else None, self.delimiters,
+                self.tok.decode)
         for prefix, lp in (("", c.logprobs), ("prompt_", c.prompt_logprobs)):
             if lp is not None:
                 out.update({f"{prefix}logprobs": lp.token, f"{prefix}top_logprob_ids": lp.top_ids,
@@ -124,8 +136,47 @@ class RowDecoder:
             if (row.row_id, i) in self.done:
                 continue
             params = dataclasses.replace(base, seed=sample_seed(s.seed, row.row_id, i))
-            reqs.append(Request((row.row_id, i), row.prompt_ids, params, grammar))
+            if self.conversations is None:
+                reqs.append(Request((row.row_id, i), row.prompt_ids, params, grammar))
+                continue
+            talk = self.conversations.start((row.row_id, i), row.messages, row.template_kwargs, row.followups,
+                                            row.prompt_ids, params)
+            if talk.end is not None:  # it ended in a killed run before its row was committed
+                self._commit_sample(row, i, self._conversation_row(row, params.seed, talk, None))
+                continue
+            self.talks[talk.key] = talk
+            reqs.append(Request(talk.key, talk.history, params, grammar, talk))
         return reqs
+
+    def _conversation_row(self, row: PreparedRow, seed: int, talk: Conversation, c: Completion | None) -> dict:
+        """A conversation's row: its last turn's response and finish, every turn's tokens and
+        acceptance counted together, and its per-turn columns. `c`: its engine's last word (an
+        error ends it there), None where it ended in a killed run."""
+        self.talks.pop(talk.key, None)
+        if c is not None and c.error_type is not None:
+            failed = self._failed_row(row, seed, c)
+            return {**failed, **talk.columns()} if talk.turns else failed
+        turns, last = talk.turns, talk.turns[-1]
+        rounds = [n for t in turns for n in t.per_round or ()]
+        spec = SpecCounters(last.block_size, rounds, [n for t in turns for n in t.verified or ()]) \
+            if last.block_size else None
+        whole = Completion(talk.key, last.token_ids, last.text, last.finish_reason, last.stop_reason, spec,
+                           turns[0].ttft_s, sum(t.latency_s for t in turns), cached_tokens=turns[0].cached_tokens)
+        out = self._ok_row(row, seed, whole, talk.history[:len(talk.history) - len(last.token_ids)])
+        return {**out, "completion_tokens": sum(len(t.token_ids) for t in turns), **talk.columns()}
+
+    def _move(self, row: PreparedRow, seed: int, c: Completion) -> None:
+        """A conversation whose next turn outgrew its bucket goes on, prefilled whole, in the first
+        bucket it fits; where none does, it ends (context_full)."""
+        talk = self.talks[c.key]
+        need = len(c.next_prompt) + row.sampling.max_new_tokens
+        larger = next((i for i, b in enumerate(self.buckets) if b.max_tokens >= need), None)
+        if larger is None:
+            talk.end = "context_full"
+            self._commit_sample(row, c.key[1], self._conversation_row(row, seed, talk, c))
+            return
+        params = dataclasses.replace(self._params(row.sampling) if row.overrides else self.default_params, seed=seed)
+        self.moved.setdefault(larger, []).append((row, Request(c.key, c.next_prompt, params, None, talk)))
 
     def _check_grammar(self, row: PreparedRow) -> None:
         """A row's grammar must compile and have a stop token to end on, or the row fails."""
@@ -139,13 +190,14 @@ class RowDecoder:
         except ValueError as e:
             row.fail("bad_grammar", str(e))
 
-    def run_bucket(self, bucket: Bucket, rows: list[PreparedRow]) -> None:
+    def run_bucket(self, bucket: Bucket, rows: list[PreparedRow],
+                   moved: list[tuple[PreparedRow, Request]] = ()) -> None:
+        """`moved`: conversations going on here from a smaller bucket."""
         by_key = {}
         requests = []
-        for row in rows:
-            for req in self._requests(row):
-                by_key[req.key] = (row, req.params.seed)
-                requests.append(req)
+        for row, req in [(row, req) for row in rows for req in self._requests(row)] + list(moved):
+            by_key[req.key] = (row, req.params.seed)
+            requests.append(req)
         if not requests:
             return
         bar = tqdm(total=len(requests), desc=f"bucket {bucket.name}", unit="req",
@@ -156,8 +208,13 @@ class RowDecoder:
         try:
             for c in self.engine.generate(requests, bucket):  # a list: the engine may count it
                 row, seed = by_key.pop(c.key)
-                self._commit_sample(row, c.key[1], self._ok_row(row, seed, c) if c.error_type is None
-                                    else self._failed_row(row, seed, c))
+                if c.next_prompt is not None:
+                    self._move(row, seed, c)
+                elif c.key in self.talks:
+                    self._commit_sample(row, c.key[1], self._conversation_row(row, seed, self.talks[c.key], c))
+                else:
+                    self._commit_sample(row, c.key[1], self._ok_row(row, seed, c) if c.error_type is None
+                                        else self._failed_row(row, seed, c))
                 tokens += len(c.token_ids)
                 if c.key[1] == 0 and c.error_type is None:  # once a request, as the stats count (ledger.once_a_request)
                     prompted, cached = prompted + len(row.prompt_ids), cached + c.cached_tokens
@@ -205,8 +262,15 @@ class RowDecoder:
                 self.commit_errors(row)
             else:
                 by_bucket.setdefault(row.bucket, []).append(row)
-        for b in sorted(by_bucket):
-            self.run_bucket(self.buckets[b], by_bucket[b])
+        for b, bucket in enumerate(self.buckets):  # in order: a conversation moves only to a larger one
+            moved = self.moved.pop(b, [])
+            if b in by_bucket or moved:
+                self.run_bucket(bucket, by_bucket.get(b, []), moved)
+
+    def close(self) -> None:
+        """Stop the conversations' threads and close their journal."""
+        if self.conversations is not None:
+            self.conversations.close()
 
     def commit_errors(self, row: PreparedRow) -> None:
         """A failed row's samples not committed yet, as error rows."""

@@ -161,11 +161,37 @@ def build_report(out_dir: Path, group_by: str | None = None, answer: str | None 
                 name = encoded.dictionary[row["key"]].as_py()
                 totals[table].setdefault(name, _Totals()).add(
                     {c: row[f"{c}_sum"] for c in sums.column_names}, [h[row["key"]] for h in hists])
+    turns = _turns(files) if "turn_completion_tokens" in names else {}
     groups = {k: v.summary(answer) for k, v in sorted(totals["groups"].items())}
     buckets = {k: v.summary(answer) for k, v in sorted(totals["buckets"].items(), key=lambda kv: _edge(kv[0]))}
     return {"group_by": group_by, "answer": answer, "match": match,
             "overall": totals["overall"].get("all", _Totals()).summary(answer), "groups": groups,
-            "buckets": buckets, "schedule": _schedules(out_dir), "whole_block_assumed": assumed}
+            "buckets": buckets, "schedule": _schedules(out_dir), "whole_block_assumed": assumed, "turns": turns}
+
+
+TURNS = ("turn_prompt_tokens", "turn_completion_tokens", "turn_spec_rounds", "turn_spec_accepted")
+
+
+def _turns(files: list[Path]) -> dict[int, dict]:
+    """Conversations' sums per assistant turn (1 = the first), over their ok rows: how many
+    reached it, the prompt tokens the target ran for it, the tokens it generated, its pooled
+    acc_len; and the tool calls and errors of all turns."""
+    sums: dict[int, list[int]] = {}
+    tools = [0, 0]
+    for f in files:
+        t = pq.read_table(f, columns=["status", *TURNS, "tool_calls", "tool_errors"])
+        t = t.filter(pc.equal(t["status"], "ok"))
+        for row in t.to_pylist():
+            for i, values in enumerate(zip(*(row[c] for c in TURNS)), start=1):
+                line = sums.setdefault(i, [0, 0, 0, 0, 0])
+                line[0] += 1
+                for j, v in enumerate(values, start=1):
+                    line[j] += v or 0
+            tools[0] += row["tool_calls"] or 0
+            tools[1] += row["tool_errors"] or 0
+    return {i: {"conversations": n, "mean_prompt_tokens": prompt / n, "mean_out_tokens": out / n,
+                "acc_len": 1 + accepted / rounds if rounds else None, "tool_calls": tools[0], "tool_errors": tools[1]}
+            for i, (n, prompt, out, rounds, accepted) in sorted(sums.items())}
 
 
 def _refuse_unless_finished(out_dir: Path) -> None:
@@ -261,6 +287,15 @@ def to_markdown(report: dict) -> str:
         lines += [f"| {name} | {_fmt(s['mean_in_tokens'], 0)} | {_fmt(s['acc_len'])} | "
                   f"{_fmt(s['proposal_acceptance'], 3)} | {s['right']}/{s['scored']} | {s['speculation']} |"
                   for name, s in report["buckets"].items()]
+        lines.append("")
+    if report.get("turns"):
+        first = next(iter(report["turns"].values()))
+        lines += ["## Conversations, by turn", "",
+                  f"{first['tool_calls']} tool calls, {first['tool_errors']} of them failed; prompt tokens: "
+                  "those the target ran for the turn (later turns: their own only, the rest kept from earlier turns)",
+                  "", "| turn | conversations | mean prompt tokens | mean out tok | acc_len |", "|---|---|---|---|---|"]
+        lines += [f"| {i} | {t['conversations']} | {_fmt(t['mean_prompt_tokens'], 1)} | "
+                  f"{_fmt(t['mean_out_tokens'], 1)} | {_fmt(t['acc_len'])} |" for i, t in report["turns"].items()]
         lines.append("")
     if report.get("schedule"):
         lines += ["## Speculation schedule (drafts verified a round, k)", ""]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_batch import parallel
+from dflash_batch.conversation import check_conversations
 from dflash_batch.engine.request import Engine
 from dflash_batch.grammar import Grammars, asks_for_grammar
 from dflash_batch.io.fingerprint import input_identity
@@ -28,6 +29,7 @@ from dflash_batch.io.ledger import (check_run, keys_to_skip, lock_run, shard_dir
                                    write_shard_stats)
 from dflash_batch.io.outputs import RESERVED, PartWriter, check_writable, output_record, part_metadata
 from dflash_batch.io.progress import Progress, progress_path, slurm_of
+from dflash_batch.io.turn_journal import TurnJournal
 from dflash_batch.job import Job, JobError, check_model_paths
 from dflash_batch.output_rows import RowDecoder
 from dflash_batch.plan.ahead import fewer_gc_passes, prepare_ahead
@@ -70,7 +72,8 @@ class _Run:
         out_dir = Path(job.output.dir)
         self.rows = RowDecoder(job, shard, tokenizer, engine, config_hash, delimiters,
                                keys_to_skip(out_dir, shard.index, job), self._commit,
-                               progress=progress and parallel.global_rank() == 0)
+                               progress=progress and parallel.global_rank() == 0,
+                               journal=TurnJournal(shard_dir(out_dir, shard.index), parallel.global_rank() == 0))
         self.writer = None if parallel.global_rank() else PartWriter(
             shard_dir(out_dir, shard.index), passthrough=job.input.passthrough_columns,
             optional=self.rows.optional, rows_per_part=job.output.rows_per_part,
@@ -151,6 +154,7 @@ class _Run:
             raise
         finally:
             self.running = False
+            self.rows.close()
         if self.writer is None:
             return 0
         self.writer.flush()
@@ -188,6 +192,7 @@ def open_tokenizer(job: Job) -> tuple[Tokenizer, Delimiters | None]:
             Grammars(tokenizer, tokenizer.vocab_size, eos).compile(job.sampling)
         except ValueError as e:
             raise JobError(str(e)) from None
+    check_conversations(job, tokenizer)
     split = job.output.split_reasoning
     return tokenizer, find_delimiters(tokenizer, job.output.reasoning_delimiters, where) if split else None
 

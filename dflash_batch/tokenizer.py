@@ -87,6 +87,10 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._backend.decode(ids)
 
+    def decode_special(self, ids: list[int]) -> str:
+        """The text of `ids` with their special tokens written out (a tool call's markers)."""
+        return self._backend.decode_special(ids)
+
     def token_bytes(self, token: int) -> bytes:
         """The bytes one token stands for (b"" for a special token): a token that holds part of
         a UTF-8 character has them though its decoded text cannot (OpenAI logprobs' `bytes`)."""
@@ -142,6 +146,9 @@ class _HFBackend:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
+    def decode_special(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=False)
+
     def token_table(self) -> list[str | bytes]:
         special = {t.content for t in self.tok.get_added_tokens_decoder().values() if t.special}
         table: list[str | bytes] = [""] * self.vocab_size
@@ -196,6 +203,9 @@ class _TiktokenBackend:
 
     def decode(self, ids: list[int]) -> str:
         return self.enc.decode([i for i in ids if i not in self.special_ids])
+
+    def decode_special(self, ids: list[int]) -> str:
+        return self.enc.decode(ids)
 
     def token_table(self) -> list[str | bytes]:
         return [self.token_bytes(i) for i in range(self.vocab_size)]

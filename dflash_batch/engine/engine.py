@@ -35,6 +35,7 @@ from dflash_batch.engine.schedule import NOWHERE, Schedule
 from dflash_batch.engine.sampling import (add_bias_, choose_tokens, hold_stops_, log_probs, mask_disallowed_,
                                           penalize_)
 from dflash_batch.engine.sequence import Sequence
+from dflash_batch.engine.turns import Parked
 from dflash_batch.kernels import ops
 from dflash_batch.kernels.sample import top1
 from dflash_batch.models.layers.dtypes import wide_dtype
@@ -94,7 +95,7 @@ class Engine:
                  capture_sizes: list[int] | None = None, cuda_graphs: bool = False, compile: bool = False,
                  compile_if_it_pays: bool = False, share_prompts: bool = True, shared_head_tokens: int = 8192,
                  log: Callable[[str], None] | None = None, auto_speculation: tuple[float, int] = (1.5, 1024),
-                 micro_batches: int = 1, per_row: bool = True):
+                 micro_batches: int = 1, per_row: bool = True, turn_caches: bool = True):
         """`compile_if_it_pays`: with `compile`, a bucket whose requests fit few rounds runs them
         uncompiled (compile_policy.py); `share_prompts`: samples fork a prompt's prefill, and rows
         share heads of up to `shared_head_tokens` (engine/heads.py); `auto_speculation`:
@@ -103,10 +104,11 @@ class Engine:
         a captured round or a prefill step goes through the stages in (models/stages.py);
         `per_row`: auto buckets (speculation {per_row: true}, auto's default) verify each row's
         drafts worth it (row_drafts.py) where rounds can be ragged: one stage, and rounds captured
-        as graphs only where the backend does not plan them on the host."""
+        as graphs only where the backend does not plan them on the host; `turn_caches`: a
+        conversation's later turns go on from its row's caches (engine/turns.py)."""
         self.target, self.drafter = target, drafter
         self.per_row = per_row and parallel.stage()[1] == 1 and not (cuda_graphs and attention.plans_on_host)
-        self.micro_batches = micro_batches
+        self.micro_batches, self.turn_caches = micro_batches, turn_caches
         self.vocab_size: int = target.vocab_size
         # Hybrid targets (KDA) keep per-sequence recurrent state that verify stages and commit picks.
         self.recurrent = hasattr(target, "allocate_state")
@@ -172,9 +174,11 @@ class Engine:
         self.heads = HeadPool(heads, seqs * pages_per_row + 1, batch.head_pages, self.page_size,
                               self.target if self.recurrent else None)
         q = Queue(requests, seqs, self.budget, self.heads)
+        parked = Parked(self.recurrent, bucket.max_tokens, self.turn_caches)  # conversations between turns (turns.py)
         # inference_mode dispatches small ops faster; torch.compile wants plain no_grad tensors.
         with torch.no_grad() if self.compile else torch.inference_mode():
             while True:
+                yield from parked.ready(q, batch, block)
                 while q.room():
                     req, row = q.next_request()
                     if req is None:
@@ -191,7 +195,10 @@ class Engine:
                 else:
                     involved = [s for s in q.running if s is not None]
                     if not involved:
-                        return
+                        if not parked:
+                            return
+                        parked.wait()
+                        continue
                 switch = None  # why an auto bucket stops speculating after this step
                 laned, ended = False, []  # rounds in pipeline lanes; the sequences they ended (released)
                 try:
@@ -243,6 +250,7 @@ class Engine:
                         raise
                     involved += [f for s in involved for f in s.followers]  # they wait on it
                     finished = self._recover(error, involved, q, batch, bucket)
+                finished = [s for s in finished if not parked.park(s, q, batch, self.decode)]
                 for seq in finished:
                     q.release(seq, batch)
                 for seq in (*finished, *ended):
@@ -524,6 +532,7 @@ class Engine:
         parallel.from_last_stage(logits)
         for seq, r in zip(seqs, rows):  # only now: a step that raised leaves nothing half-counted
             seq.prefilled += r.count
+            seq.computed += r.count
         self.prefill_tokens += len(ids)
         scores = None
         if any(s.prompt_logprobs is not None for s in seqs):

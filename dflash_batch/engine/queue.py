@@ -67,15 +67,20 @@ class Queue:
             return None, -1
         return req, heapq.heappop(self.free_rows)
 
-    def forget(self, seq: Sequence, batch: DecodeBatch) -> None:
-        """Take a sequence out of prefill or decode (its row is freed by `release`)."""
+    def pause(self, seq: Sequence, batch: DecodeBatch) -> None:
+        """Take a sequence out of prefill or decode, keeping its row, its pages and any shared
+        head's: a conversation between two turns (engine/turns.py)."""
         if seq in self.prefilling:
             self.prefilling.remove(seq)
         self.prompts.prefilled(seq)
-        self.heads.leave(seq)
         if self.running[seq.row] is seq:
             self.running[seq.row] = None
             batch.clear(seq.row)
+
+    def forget(self, seq: Sequence, batch: DecodeBatch) -> None:
+        """Take a sequence out of prefill or decode (its row is freed by `release`)."""
+        self.pause(seq, batch)
+        self.heads.leave(seq)
 
     def release(self, seq: Sequence, batch: DecodeBatch) -> None:
         self.forget(seq, batch)

@@ -7,6 +7,7 @@ real one, or a test double) implements `Engine.generate`.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -75,12 +76,23 @@ class Matcher(Protocol):
     def is_terminated(self) -> bool: ...
 
 
+class Turns(Protocol):
+    """A conversation's host side (conversation.py): what follows each of its turns."""
+
+    def ended(self, turn: Completion) -> Future[list[int] | None]:
+        """The tokens that open the next turn after this turn's own (the chat template's end of
+        turn, tool results, the next user message, the assistant's header), or None: the
+        conversation is over. The future may be completed on another thread (a tool call)."""
+        ...
+
+
 @dataclass(slots=True)
 class Request:
     key: RequestKey
     prompt_ids: list[int]
     params: SamplingParams
     grammar: Callable[[], Matcher] | None = None  # structured output: a fresh matcher per attempt
+    turns: Turns | None = None  # a conversation: its later turns go on from this request's caches
 
 
 @dataclass(slots=True)
@@ -142,6 +154,10 @@ class Completion:
     logprobs: Logprobs | None = None         # one per generated token (sampling.logprobs)
     prompt_logprobs: Logprobs | None = None  # one per prompt token, None at the first
     cached_tokens: int = 0         # prompt tokens taken from a shared head or a sample's forked prefill
+    computed_tokens: int = 0       # prompt tokens the target ran for it (a conversation's turn: the new ones)
+    # A conversation whose next turn did not fit the bucket: that turn's whole prompt (the history
+    # and its opening), for a larger bucket to prefill.
+    next_prompt: list[int] | None = None
 
 
 class Engine(Protocol):

@@ -212,9 +212,11 @@ class Round:
             b.counts[:n].scatter_add_(-1, emitted.clamp_min(0), (emitted >= 0).to(b.counts.dtype))
         if self.recurrent:
             # The verify left the recurrent state alone; it moves past the anchor and the
-            # accepted drafts (the bonus is the next anchor, not yet fed). An eager ragged round
-            # has read the host already: each sequence replays only what it kept.
-            kept = accepted + 1
+            # accepted drafts (the bonus is the next anchor, not yet fed), up to the last token a
+            # row kept where a stop token or its budget cut the round short: the state is then
+            # the sequence's own, which a conversation's next turn goes on from (engine/turns.py).
+            # An eager ragged round has read the host already: each sequence replays only what it kept.
+            kept = torch.minimum(accepted + 1, b.out[:n, B].clamp_min(1))
             rows = verify.q_index.shape[1] if verify is not None else None
             steps = stagger(kept.tolist(), kept.device) if verify is not None and verify.stagger is not None else None
             self.target.commit(b.state_slot[:n], kept, b.first_row, rows, steps)

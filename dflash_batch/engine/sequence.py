@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from dflash_batch.engine.request import Completion, Logprobs, Request, SpecCounters
@@ -15,10 +16,17 @@ class Sequence:
         self.prompt = request.prompt_ids
         self.pages = pages
         self.prefilled = 0                 # prompt tokens whose target K/V is written
-        self.cached = 0                    # of those, taken from a shared head or a forked prefill
+        # Sequences with the same prompt that wait for this one's prefill and copy it (engine.py).
+        self.followers: list[Sequence] = []
+        self._start_turn(block_size)
+
+    def _start_turn(self, block_size: int) -> None:
+        """What a sample (or a conversation's turn) counts from its start."""
+        self.cached = 0                    # prompt tokens taken from a shared head or a forked prefill
+        self.computed = 0                  # prompt tokens the target ran for this sequence
         self.tokens: list[int] = []        # generated tokens; the last one is the next anchor
         self.spec = SpecCounters(block_size) if block_size > 1 else None
-        self.matcher = request.grammar() if request.grammar is not None else None  # structured output
+        self.matcher = self.request.grammar() if self.request.grammar is not None else None  # structured output
         self.logprobs = Logprobs() if self.params.logprobs is not None else None
         self.prompt_logprobs = Logprobs() if self.params.prompt_logprobs is not None else None
         if self.prompt_logprobs is not None:
@@ -26,12 +34,20 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: str | None = None
         self.text: str | None = None       # set when a stop string cut the output
+        self.cut_by_stop_string = False    # tokens a round kept were cut on the host (past the recurrent state)
         self.error_type: str | None = None
         self.error: str | None = None
-        # Sequences with the same prompt that wait for this one's prefill and copy it (engine.py).
-        self.followers: list[Sequence] = []
         self.t_admit = time.monotonic()
         self.t_first: float | None = None
+
+    def next_turn(self, opening: list[int], block_size: int) -> None:
+        """Go on with the conversation in this row: the prompt becomes the history (prompt and
+        generated tokens) and the next turn's `opening`; the caches hold every position before
+        the anchor (engine/turns.py checks it), so only the anchor and the opening are prefilled."""
+        self.prefilled = self.position
+        self.prompt = self.prompt + self.tokens + opening
+        self.request = dataclasses.replace(self.request, prompt_ids=self.prompt)  # a retry starts here
+        self._start_turn(block_size)
 
     @property
     def position(self) -> int:
@@ -68,6 +84,7 @@ class Sequence:
             hits = [(i, s) for s in stops if (i := text.find(s)) >= 0]
             if hits:
                 i, s = min(hits)
+                self.cut_by_stop_string = len(self.tokens) > k
                 self.tokens = self.tokens[:k]
                 self.text, self.finish_reason, self.stop_reason = text[:i], "stop", s
                 return
@@ -86,6 +103,7 @@ class Sequence:
                           finish_reason=self.finish_reason, stop_reason=self.stop_reason, spec=self.spec,
                           ttft_s=(self.t_first or now) - self.t_admit, latency_s=now - self.t_admit,
                           error_type=self.error_type, error=self.error, cached_tokens=self.cached,
+                          computed_tokens=self.computed,
                           # a stop string may have cut tokens the round had scored
                           logprobs=self.logprobs.cut(len(self.tokens)) if ok and self.logprobs else None,
                           prompt_logprobs=self.prompt_logprobs if ok else None)

@@ -29,7 +29,10 @@ from dflash_batch.io.spill import by_key
 from dflash_batch.job import Job, JobError
 from dflash_batch.tokenizer import Tokenizer
 
-MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string())])
+TOOL_CALL = pa.struct([("id", pa.string()), ("type", pa.string()),
+                       ("function", pa.struct([("name", pa.string()), ("arguments", pa.string())]))])
+MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string()),
+                     ("tool_calls", pa.list_(TOOL_CALL)), ("tool_call_id", pa.string())])
 
 
 def lineage(out_dir: Path) -> list[tuple[Path, dict]]:
@@ -260,9 +263,17 @@ def _messages(table: pa.Table, column: str) -> pa.Array:
     if column not in table.column_names:
         raise JobError(f"--messages {column}: no such output column (pass the input's messages or prompt "
                        "through input.passthrough_columns)")
-    reasoning = table["reasoning"].to_pylist() if "reasoning" in table.column_names else [None] * table.num_rows
+    def of(name: str) -> list:
+        return table[name].to_pylist() if name in table.column_names else [None] * table.num_rows
+
     out = []
-    for prompt, response, thought in zip(table[column].to_pylist(), table["response"].to_pylist(), reasoning):
+    for prompt, response, thought, talk in zip(table[column].to_pylist(), table["response"].to_pylist(),
+                                               of("reasoning"), of("conversation")):
+        if talk is not None:  # a conversation: every turn (the last one's reasoning split off, if it was)
+            turns = [{k: m.get(k) for k in MESSAGE.names} for m in orjson.loads(talk)]
+            turns[-1].update(content=response, reasoning_content=thought)
+            out.append(turns)
+            continue
         if isinstance(prompt, str):  # a text prompt: one user turn
             turns = [{"role": "user", "content": prompt}]
         else:  # chat messages (any keys past role and content are not kept)

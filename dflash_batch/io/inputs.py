@@ -123,6 +123,7 @@ def source_names(files: list[InputFile]) -> list[str]:
 
 def needed_columns(spec: InputSpec) -> list[str]:
     cols = [spec.id_column, spec.prompt_column, spec.messages_column, spec.input_ids_column, spec.tools_column,
+            spec.followups_column,
             *spec.passthrough_columns, *spec.sampling_columns.values()]
     return list(dict.fromkeys(c for c in cols if c))
 

@@ -196,7 +196,10 @@ def _chat_choice(s: dict, token: Token) -> dict:
         logprobs = {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in zip(ids, top)]}
                                 for t, lp, ids, top in zip(_ids(s), s["logprobs"],
                                                            s["top_logprob_ids"], s["top_logprobs"])]}
-    return {"index": s["sample_index"], "message": message, "logprobs": logprobs, "finish_reason": _finish(s)}
+    choice = {"index": s["sample_index"], "message": message, "logprobs": logprobs, "finish_reason": _finish(s)}
+    if s.get("conversation") is not None:  # a conversation: all of it, the request's messages first, this message last
+        choice["conversation"] = orjson.loads(s["conversation"])
+    return choice
 
 
 def _text_choice(s: dict, token: Token) -> dict:

@@ -72,7 +72,27 @@ OPTIONAL_COLUMNS: dict[str, tuple[pa.DataType, str]] = {
                         "(sampling.prompt_logprobs)"),
     "prompt_top_logprob_ids": (pa.list_(pa.list_(pa.int32())), "per prompt token, the top-K token ids"),
     "prompt_top_logprobs": (pa.list_(pa.list_(pa.float32())), "their logprobs"),
+    # conversations (input.followups_column, conversation): the row's columns above count every
+    # turn's tokens and rounds together; response and finish_reason are the last turn's
+    "conversation": (pa.string(), "the whole conversation as JSON messages: the input's, then each assistant "
+                     "turn (with its tool_calls), tool result and later user turn"),
+    "turn_prompt_tokens": (pa.list_(pa.int32()), "per assistant turn, the prompt tokens the target ran for it "
+                           "(the first: the prompt less cached_tokens; later: only the turn's own)"),
+    "turn_completion_tokens": (pa.list_(pa.int32()), "per assistant turn, the tokens it generated"),
+    "turn_token_ids": (pa.list_(pa.list_(pa.int32())), "per assistant turn, its generated token ids "
+                       "(output.include_token_ids)"),
+    "turn_finish_reasons": (pa.list_(pa.string()), "per assistant turn, stop | length"),
+    "turn_spec_rounds": (pa.list_(pa.int32()), "per assistant turn, its verify rounds (null without speculation)"),
+    "turn_spec_accepted": (pa.list_(pa.int32()), "per assistant turn, its accepted drafts: its acc_len is 1 + "
+                           "accepted / rounds"),
+    "tool_calls": (pa.int32(), "tool calls the conversation made"),
+    "tool_errors": (pa.int32(), "of those, calls that failed: an unknown tool, arguments that are not a JSON "
+                    "object, an exception or the timeout (the model was told so)"),
+    "conversation_end": (pa.string(), "no_followup (no later user turn) | max_turns | context_full (the next turn "
+                         "fits no bucket); null in an error row"),
 }
+CONVERSATION_COLUMNS = ("conversation", "turn_prompt_tokens", "turn_completion_tokens", "turn_finish_reasons",
+                        "turn_spec_rounds", "turn_spec_accepted", "tool_calls", "tool_errors", "conversation_end")
 RESERVED = {c[0] for c in COLUMNS} | set(OPTIONAL_COLUMNS)
 OUTPUT_TYPES = {name: typ for name, typ, _, _ in COLUMNS}
 

@@ -19,6 +19,7 @@ from dflash_batch.plan.buckets import assign_bucket
 from dflash_batch.plan.messages import message_problem
 from dflash_batch.plan.shards import Shard, hash64, shard_of
 from dflash_batch.tokenizer import Tokenizer
+from dflash_batch.tools import module_tools
 
 
 @dataclass(slots=True)
@@ -33,6 +34,10 @@ class PreparedRow:
     error_type: str | None = None
     error: str | None = None
     overrides: dict[str, Any] | None = None  # per-row sampling overrides, if any
+    # A conversation's first messages, chat template arguments and scripted later user turns.
+    messages: list[dict] | None = None
+    template_kwargs: dict[str, Any] | None = None
+    followups: list | None = None
 
     def fail(self, kind: str, message: str) -> None:
         self.error_type, self.error, self.prompt_ids = kind, message, None
@@ -41,7 +46,8 @@ class PreparedRow:
         # Rows cross from the preparing workers by pickle; rebuilding from positional fields
         # unpickles several times faster than the default slots state.
         return PreparedRow, (self.row_id, self.passthrough, self.sampling, self.prompt_ids, self.prompt_text,
-                             self.bucket, self.prompt_truncated, self.error_type, self.error, self.overrides)
+                             self.bucket, self.prompt_truncated, self.error_type, self.error, self.overrides,
+                             self.messages, self.template_kwargs, self.followups)
 
 
 def fallback_row_id(source: str, index: int) -> str:
@@ -64,6 +70,8 @@ class RowPreparer:
         self.base_sampling = job.sampling.model_dump()
         self.keep_text = job.output.include_prompt
         self.openai = job.input.format == "openai_batch"
+        tools = job.conversation.tools if job.conversation else None
+        self.tool_definitions = module_tools(tools)[1] if tools else None
         changed = job.retry.changes if job.retry else {}
         self.retry_sets = {k.split(".")[1] for k in changed if k.startswith("sampling.")}
 
@@ -167,6 +175,13 @@ class RowPreparer:
                         row.fail("bad_prompt_type", f"column {where!r} must be a list of tool objects")
                         return None
                     kwargs = {**kwargs, "tools": tools}
+                if self.job.conversations:
+                    if self.tool_definitions and "tools" not in kwargs:  # the row's own tools win
+                        kwargs = {**kwargs, "tools": self.tool_definitions}
+                    row.messages, row.template_kwargs = value, kwargs
+                    if (followups := self._followups(data, row)) is None:
+                        return None
+                    row.followups = followups
                 try:
                     return "chat", self.tok.render_chat(value, kwargs)
                 except Exception as e:  # a template error concerns this row only
@@ -180,6 +195,26 @@ class RowPreparer:
             else:
                 return "ids", list(value)
         return None
+
+    def _followups(self, data: dict, row: PreparedRow) -> list | None:
+        """The row's later user turns (none: an empty list), or None after recording an error."""
+        col = self.spec.followups_column
+        value = data.get(col) if col else None
+        if value is None:
+            return []
+        if not isinstance(value, list):
+            row.fail("bad_followups", f"column {col!r} must be a list of user turns (strings or messages), "
+                     f"got {type(value).__name__}")
+            return None
+        for i, turn in enumerate(value):
+            if isinstance(turn, str):
+                continue
+            problem = message_problem([turn]) if isinstance(turn, dict) else f" is a {type(turn).__name__}"
+            if problem is not None:
+                row.fail("bad_followups", f"column {col!r} item {i}{problem.removeprefix('[0]')}: each must be a "
+                         "string or a {role, content} message")
+                return None
+        return value
 
     def _fit(self, row: PreparedRow) -> None:
         """Apply the overflow policy and pick the bucket."""
