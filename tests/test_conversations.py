@@ -407,3 +407,22 @@ def test_scripted_conversations_under_tensor_parallel_2_equal_tp1(tmp_path, pair
         volatile = {"ttft_s", "latency_s", "config_hash"}
         out[tp] = {r["row_id"]: {k: v for k, v in r.items() if k not in volatile} for r in read_out(tmp_path / f"tp{tp}")}
     assert out[1] == out[2] and all(len(r["turn_token_ids"]) == 3 for r in out[1].values())
+
+
+def test_tool_calls_are_read_in_both_formats():
+    from dflash_batch.tools import parse_calls, template_format
+
+    kimi = ("I will look.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+            '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>functions.add:1'
+            '<|tool_call_argument_begin|>{"a": 1}<|tool_call_end|><|tool_calls_section_end|><|im_end|>')
+    before, calls = parse_calls(kimi, "kimi", 0)
+    assert before == "I will look."
+    assert [(c.id, c.name, c.arguments) for c in calls] == [("functions.get_weather:0", "get_weather", '{"city": "Paris"}'),
+                                                            ("functions.add:1", "add", '{"a": 1}')]
+    hermes = 'Sure.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call><|im_end|>'
+    before, calls = parse_calls(hermes, "hermes", 3)
+    assert before == "Sure.\n" and [(c.id, c.name, json.loads(c.arguments)) for c in calls] == [
+        ("call_3_0", "add", {"a": 1, "b": 2})]
+    assert parse_calls("No tools here.", "hermes", 0) == ("No tools here.", [])
+    assert template_format("{{ '<|tool_call_begin|>' }}") == "kimi" and template_format("<tool_call>") == "hermes"
+    assert template_format("{{ messages }}") is None

@@ -156,3 +156,24 @@ def test_a_turn_cut_by_a_stop_string_goes_on_as_its_whole_history_would(pairs, f
     assert [[t.token_ids for t in s.turns] for s in scripts] == expected
     cut = [t for s in scripts for t in s.turns if t.stop_reason in stops]
     assert cut and any(len(t.token_ids) < 9 for t in cut)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "kimi"])
+def test_conversations_sharing_a_head_keep_its_pages_between_turns(pairs, family):
+    """Shared heads apply to the conversations' first turns: members read the head's pages and
+    keep reading them between turns (three heads for a pool of two: a head's pages go back only
+    when its conversations end), and every turn is its whole history's."""
+    target, drafter = pairs[family]
+    engine = Engine(target, drafter, dtype=target.dtype, shared_head_tokens=96)
+    vocab = min(target.vocab_size, 64)
+    heads = random_prompts([80, 72, 90], vocab=vocab, seed=21)
+    prompts, openings = conversations(vocab, n=6)
+    prompts = [heads[i % 3] + p for i, p in enumerate(prompts)]
+    b = bucket(max_num_seqs=4, max_tokens=256)
+    expected = turn_by_turn(Engine(target, drafter, dtype=target.dtype, share_prompts=False), prompts, openings,
+                            False, 2, b)
+    scripts = [Scripted(o) for o in openings]
+    list(engine.generate([Request((str(i), 0), p, params(i, False, 2), turns=s)
+                          for i, (p, s) in enumerate(zip(prompts, scripts))], b))
+    assert [[t.token_ids for t in s.turns] for s in scripts] == expected
+    assert sum(s.turns[0].cached_tokens > 0 for s in scripts) >= 2  # heads were shared (a pool of two)
