@@ -22,7 +22,7 @@ import orjson
 
 from dflash_batch.engine.request import Completion, RequestKey, SamplingParams
 from dflash_batch.io.turn_journal import TurnJournal
-from dflash_batch.job import Job, JobError
+from dflash_batch.job import ConversationSpec, Job, JobError
 from dflash_batch.plan.messages import message_problem
 from dflash_batch.tokenizer import Tokenizer
 from dflash_batch.tools import Toolbox, import_object, module_tools, parse_calls, template_format
@@ -56,36 +56,32 @@ class Turn:
                    spec.block_size if spec else None, c.ttft_s, c.latency_s)
 
 
-def check_conversations(job: Job, tokenizer: Tokenizer) -> str | None:
+def check_conversations(job: Job, tokenizer: Tokenizer) -> tuple[str | None, Callable | None]:
     """Refuse, before any model loads, a tool module or simulator that cannot be imported and
-    a tool-call format the chat template does not say; returns the tool-call format (None: no tools)."""
-    spec = job.conversation
-    if spec is None:
-        return None
-    if spec.followups is not None:
-        import_object(spec.followups.function, "conversation.followups.function")
+    a tool-call format the chat template does not say; returns the tool-call format (None: no
+    tools) and the simulator (None: none)."""
+    spec = job.conversation or ConversationSpec()
+    simulator = import_object(spec.followups.function, "conversation.followups.function") if spec.followups else None
     if spec.tools is None:
-        return None
+        return None, simulator
     module_tools(spec.tools)
     fmt = spec.tools.format if spec.tools.format != "auto" else template_format(tokenizer.chat_template)
     if fmt is None:
         raise JobError("conversation.tools.format: the chat template writes no tool calls this project reads "
                        "(hermes <tool_call> or kimi <|tool_call_begin|>); set it")
-    return fmt
+    return fmt, simulator
 
 
 class Conversations:
     """A run's conversation settings, tools, simulator, threads and journal."""
 
     def __init__(self, job: Job, tokenizer: Tokenizer, journal: TurnJournal):
-        spec = job.conversation
-        self.tok, self.journal = tokenizer, journal
-        self.max_turns = spec.max_turns if spec else 8
-        self.pool = ThreadPoolExecutor(spec.tool_workers if spec else 1, thread_name_prefix="dflash-tools")
-        fmt = check_conversations(job, tokenizer)
-        self.tools = Toolbox(spec.tools, fmt, self.pool) if fmt is not None else None
-        self.simulator: Callable | None = (import_object(spec.followups.function, "conversation.followups.function")
-                                           if spec is not None and spec.followups is not None else None)
+        spec = job.conversation or ConversationSpec()
+        self.tok, self.journal, self.max_turns = tokenizer, journal, spec.max_turns
+        # Threads that wait on a turn's tool calls and run the simulator: off the engine's thread.
+        self.pool = ThreadPoolExecutor(spec.tool_workers, thread_name_prefix="dflash-turns")
+        fmt, self.simulator = check_conversations(job, tokenizer)
+        self.tools = Toolbox(spec.tools, fmt) if fmt is not None else None
         self.resumed = journal.read()
 
     def start(self, key: RequestKey, messages: list[dict], kwargs: dict[str, Any], followups: list,

@@ -423,7 +423,8 @@ class ConversationSpec(_Strict):
     tools: ToolsSpec | None = None
     followups: FollowupsSpec | None = Field(None, description="A user simulator (instead of, or after, the "
                                             "followups column's turns).")
-    tool_workers: int = Field(8, ge=1, le=256, description="Threads that run tool calls and the simulator.")
+    tool_workers: int = Field(8, ge=1, le=256, description="Conversations whose next turn is made at once off the "
+                              "engine's thread (their tool calls, each in a thread of its own, or the simulator).")
 
 
 class Job(_Strict):

@@ -5,8 +5,8 @@ Nothing the model writes is evaluated: a call names a public function of the nam
 gives JSON arguments, which are parsed as JSON and passed as keyword arguments. A call that
 names no such function, whose arguments are not a JSON object, that raises or that runs past
 the timeout gives the model a tool message saying so (and counts as a tool error). A call past
-its timeout cannot be stopped (a thread): it runs on in the background and its answer is
-dropped."""
+its timeout cannot be stopped: it runs on in a daemon thread (which does not keep the process
+from exiting) and its answer is dropped."""
 
 from __future__ import annotations
 
@@ -14,8 +14,10 @@ import importlib
 import inspect
 import json
 import re
+import threading
+import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, TimeoutError as CallTimedOut
+from concurrent.futures import Future, TimeoutError as CallTimedOut
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -123,24 +125,39 @@ def module_tools(spec: ToolsSpec) -> tuple[dict[str, Callable], list[dict]]:
     return functions, given if isinstance(given, list) else [definition(n, f) for n, f in functions.items()]
 
 
-class Toolbox:
-    """The job's tool module, its definitions, and the threads its calls run on."""
+def in_thread(function: Callable, arguments: dict) -> Future:
+    """function(**arguments) on a daemon thread of its own, as a future."""
+    future: Future = Future()
 
-    def __init__(self, spec: ToolsSpec, fmt: str, pool: ThreadPoolExecutor):
+    def call() -> None:
+        try:
+            future.set_result(function(**arguments))
+        except BaseException as e:  # noqa: BLE001 - whatever the tool raises is the model's to read
+            future.set_exception(e)
+
+    threading.Thread(target=call, name="dflash-tool", daemon=True).start()
+    return future
+
+
+class Toolbox:
+    """The job's tool module and its definitions."""
+
+    def __init__(self, spec: ToolsSpec, fmt: str):
         self.functions, self.definitions = module_tools(spec)
-        self.timeout, self.format, self.pool = spec.timeout_s, fmt, pool
+        self.timeout, self.format = spec.timeout_s, fmt
 
     def run(self, calls: list[ToolCall]) -> list[ToolResult]:
-        """Every call, at once on the pool, each within the timeout from now (blocks: run it off
-        the engine's thread)."""
+        """Every call, at once, each within the timeout from now (blocks: run it off the
+        engine's thread)."""
         started = [(call, self._start(call)) for call in calls]
+        deadline = time.monotonic() + self.timeout
         results = []
         for call, future in started:
             if isinstance(future, ToolResult):
                 results.append(future)
                 continue
             try:
-                value = future.result(timeout=self.timeout)
+                value = future.result(timeout=max(0.0, deadline - time.monotonic()))
             except CallTimedOut:
                 results.append(ToolResult(call, f"error: {call.name} timed out after {self.timeout:g} s", True))
             except Exception as e:  # noqa: BLE001 - the model is told what the tool raised
@@ -165,4 +182,4 @@ class Toolbox:
             return ToolResult(call, f"error: the arguments of {call.name} are not valid JSON: {e}", True)
         if not isinstance(arguments, dict):
             return ToolResult(call, f"error: the arguments of {call.name} must be a JSON object", True)
-        return self.pool.submit(function, **arguments)
+        return in_thread(function, arguments)

@@ -149,7 +149,7 @@ def boom() -> str:
     raise RuntimeError("the tool broke")
 
 def slow() -> str:
-    time.sleep(3)
+    time.sleep(10)
     return "too late"
 
 def _private():
@@ -175,7 +175,7 @@ class ScriptedModel:
     the history), so the conversation's host side runs as in a real job."""
 
     def __init__(self, tok: Tokenizer, replies: list[str]):
-        self.tok, self.replies, self.vocab_size, self.prompts = tok, replies, None, []
+        self.tok, self.replies, self.vocab_size, self.prompts, self.waits = tok, replies, None, [], []
 
     def generate(self, requests, bucket):
         for req in requests:
@@ -185,8 +185,10 @@ class ScriptedModel:
                 ids = self.tok.encode_batch([reply + "<|im_end|>"], False)[0]
                 done = Completion(req.key, ids, self.tok.decode(ids[:-1]), "stop", str(ids[-1]), SpecCounters(8),
                                   0.0, 0.0, computed_tokens=len(history))
+                started = time.monotonic()
                 future: Future = req.turns.ended(done)
                 opening = future.result()
+                self.waits.append(time.monotonic() - started)
                 if opening is None:
                     yield done
                     break
@@ -198,7 +200,7 @@ def test_tool_calls_run_by_name_and_their_failures_reach_the_model(tmp_path, pai
     (tmp_path / "my_tools.py").write_text(textwrap.dedent(TOOLS))
     monkeypatch.syspath_prepend(str(tmp_path))
     calls = ['{"name": "add", "arguments": {"a": 2, "b": 3}}', '{"name": "boom", "arguments": {}}',
-             '{"name": "slow", "arguments": {}}', '{"name": "_private", "arguments": {}}',
+             *['{"name": "slow", "arguments": {}}'] * 3, '{"name": "_private", "arguments": {}}',
              '{"name": "add", "arguments": {"a": 2,', '{"name": "add", "arguments": "[1, 2]"}',
              '{"name": "__import__", "arguments": {"name": "os"}}']
     replies = ["Let me see." + "".join(f"<tool_call>{c}</tool_call>" for c in calls), "It is 5."]
@@ -210,25 +212,24 @@ def test_tool_calls_run_by_name_and_their_failures_reach_the_model(tmp_path, pai
     doc["model"]["chat_template"] = str(tmp_path / "template.jinja")
     doc["conversation"] = {"tools": {"module": "my_tools", "timeout_s": 0.5}}  # format: the template's (hermes)
     doc["engine"]["max_model_len"] = 4096  # the tools' definitions make a long prompt
-    started = time.monotonic()
     run_job(write_job(tmp_path, doc), lambda j, t: model, ONE, progress=False)
-    assert time.monotonic() - started < 3, "the slow tool's timeout did not hold"
+    assert 0.5 <= model.waits[0] < 1.3, "the three slow calls did not time out together, 0.5 s after their start"
     (row,) = read_out(tmp_path / "out")
     assert row["status"] == "ok", row["error"]
     messages = json.loads(row["conversation"])
     assert [m["role"] for m in messages] == ["user", "assistant"] + ["tool"] * len(calls) + ["assistant"]
     assert messages[1]["content"] == "Let me see."
-    assert [c["function"]["name"] for c in messages[1]["tool_calls"]] == ["add", "boom", "slow", "_private",
-                                                                          "", "add", "__import__"]
+    assert [c["function"]["name"] for c in messages[1]["tool_calls"]] == ["add", "boom", "slow", "slow", "slow",
+                                                                          "_private", "", "add", "__import__"]
     results = [m["content"] for m in messages[2:-1]]
     assert results[0] == "5"
     assert results[1] == "error: boom raised RuntimeError: the tool broke"
-    assert results[2] == "error: slow timed out after 0.5 s"
-    assert results[3].startswith("error: no tool named '_private' (tools: add, boom, slow)")
-    assert results[4].startswith("error: the tool call is not valid JSON")
-    assert results[5] == "error: the arguments of add must be a JSON object"
-    assert results[6].startswith("error: no tool named '__import__'")
-    assert row["tool_calls"] == 7 and row["tool_errors"] == 6 and row["response"] == "It is 5."
+    assert results[2:5] == ["error: slow timed out after 0.5 s"] * 3
+    assert results[5].startswith("error: no tool named '_private' (tools: add, boom, slow)")
+    assert results[6].startswith("error: the tool call is not valid JSON")
+    assert results[7] == "error: the arguments of add must be a JSON object"
+    assert results[8].startswith("error: no tool named '__import__'")
+    assert row["tool_calls"] == 9 and row["tool_errors"] == 8 and row["response"] == "It is 5."
     assert row["conversation_end"] == "no_followup"
     # the tools' definitions were in the first prompt; the results opened the second turn
     first, second = (tok.decode_special(p) for p in model.prompts)
@@ -255,7 +256,7 @@ def test_tool_calls_run_by_name_and_their_failures_reach_the_model(tmp_path, pai
     assert choice["message"]["content"] == "It is 5." and choice["conversation"] == messages
     report = build_report(tmp_path / "out")
     assert [t["conversations"] for t in report["turns"].values()] == [1, 1]
-    assert "## Conversations, by turn" in to_markdown(report) and "7 tool calls, 6 of them failed" in to_markdown(report)
+    assert "## Conversations, by turn" in to_markdown(report) and "9 tool calls, 8 of them failed" in to_markdown(report)
 
 
 def test_conversation_settings_are_refused_where_they_cannot_work(tmp_path, pair):

@@ -29,10 +29,11 @@ from dflash_batch.io.spill import by_key
 from dflash_batch.job import Job, JobError
 from dflash_batch.tokenizer import Tokenizer
 
+MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string())])
+# A run of conversations: its messages may call tools and answer them.
 TOOL_CALL = pa.struct([("id", pa.string()), ("type", pa.string()),
                        ("function", pa.struct([("name", pa.string()), ("arguments", pa.string())]))])
-MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string()), ("reasoning_content", pa.string()),
-                     ("tool_calls", pa.list_(TOOL_CALL)), ("tool_call_id", pa.string())])
+CONVERSATION_MESSAGE = pa.struct([*MESSAGE, ("tool_calls", pa.list_(TOOL_CALL)), ("tool_call_id", pa.string())])
 
 
 def lineage(out_dir: Path) -> list[tuple[Path, dict]]:
@@ -270,7 +271,7 @@ def _messages(table: pa.Table, column: str) -> pa.Array:
     for prompt, response, thought, talk in zip(table[column].to_pylist(), table["response"].to_pylist(),
                                                of("reasoning"), of("conversation")):
         if talk is not None:  # a conversation: every turn (the last one's reasoning split off, if it was)
-            turns = [{k: m.get(k) for k in MESSAGE.names} for m in orjson.loads(talk)]
+            turns = [{k: m.get(k) for k in CONVERSATION_MESSAGE.names} for m in orjson.loads(talk)]
             turns[-1].update(content=response, reasoning_content=thought)
             out.append(turns)
             continue
@@ -279,4 +280,4 @@ def _messages(table: pa.Table, column: str) -> pa.Array:
         else:  # chat messages (any keys past role and content are not kept)
             turns = [{"role": t.get("role"), "content": t.get("content")} for t in prompt or []]
         out.append(turns + [{"role": "assistant", "content": response, "reasoning_content": thought}])
-    return pa.array(out, pa.list_(MESSAGE))
+    return pa.array(out, pa.list_(CONVERSATION_MESSAGE if "conversation" in table.column_names else MESSAGE))
