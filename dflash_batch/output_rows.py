@@ -20,7 +20,7 @@ from dflash_batch.io.turn_journal import TurnJournal
 from dflash_batch.grammar import Grammars, asks_for_grammar, wants_grammar
 from dflash_batch.job import Job, SamplingSpec
 from dflash_batch.keys import Shard
-from dflash_batch.plan.buckets import Bucket, plan_buckets
+from dflash_batch.plan.buckets import Bucket, assign_bucket, plan_buckets
 from dflash_batch.plan.rows import PreparedRow, sample_seed
 from dflash_batch.reasoning import Delimiters, split_reasoning
 from dflash_batch.tokenizer import Tokenizer, stop_token_ids
@@ -169,14 +169,12 @@ class RowDecoder:
         """A conversation whose next turn outgrew its bucket goes on, prefilled whole, in the first
         bucket it fits; where none does, it ends (context_full)."""
         talk = self.talks[c.key]
-        need = len(c.next_prompt) + row.sampling.max_new_tokens
-        larger = next((i for i, b in enumerate(self.buckets) if b.max_tokens >= need), None)
+        larger = assign_bucket(len(c.next_prompt) + talk.params.max_new_tokens, [b.max_tokens for b in self.buckets])
         if larger is None:
             talk.end = "context_full"
             self._commit_sample(row, c.key[1], self._conversation_row(row, seed, talk, c))
             return
-        params = dataclasses.replace(self._params(row.sampling) if row.overrides else self.default_params, seed=seed)
-        self.moved.setdefault(larger, []).append((row, Request(c.key, c.next_prompt, params, None, talk)))
+        self.moved.setdefault(larger, []).append((row, Request(c.key, c.next_prompt, talk.params, None, talk)))
 
     def _check_grammar(self, row: PreparedRow) -> None:
         """A row's grammar must compile and have a stop token to end on, or the row fails."""
