@@ -177,3 +177,31 @@ def test_conversations_sharing_a_head_keep_its_pages_between_turns(pairs, family
                           for i, (p, s) in enumerate(zip(prompts, scripts))], b))
     assert [[t.token_ids for t in s.turns] for s in scripts] == expected
     assert sum(s.turns[0].cached_tokens > 0 for s in scripts) >= 2  # heads were shared (a pool of two)
+
+
+def test_conversations_beside_single_turn_rows_with_mixed_settings_in_one_batch(pairs):
+    """Neighbours: single-turn requests, greedy and sampled conversations of uneven lengths share
+    the batch; each is what it would be alone."""
+    target, drafter = pairs["kimi"]
+    engine = Engine(target, drafter, dtype=target.dtype)
+    vocab = min(target.vocab_size, 64)
+    prompts, openings = conversations(vocab, n=6)
+    b = bucket(max_num_seqs=4, max_tokens=256)
+
+    def mixed(i: int) -> SamplingParams:
+        return params(i, sampled=i % 2 == 1, stop=5)
+
+    expected = {}
+    for i in range(6):  # alone, turn by turn, each turn a single-turn request of its whole history
+        history, expected[i] = list(prompts[i]), []
+        for t in range(i % 3 + 1):
+            (c,) = engine.generate([Request((str(i), 0), history, mixed(i))], b)
+            expected[i].append(c.token_ids)
+            if t < i % 3:
+                history = history + c.token_ids + openings[i][t]
+    scripts = {i: Scripted(openings[i][:i % 3]) for i in range(6) if i % 3}  # i % 3 == 0: a single-turn row
+    reqs = [Request((str(i), 0), prompts[i], mixed(i), turns=scripts.get(i)) for i in range(6)]
+    ends = {c.key[0]: c for c in engine.generate(reqs, b)}
+    for i in range(6):
+        got = [t.token_ids for t in scripts[i].turns] if i in scripts else [ends[str(i)].token_ids]
+        assert got == expected[i], i
