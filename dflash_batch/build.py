@@ -279,7 +279,7 @@ def build_engine(job: Job, tokenizer: Tokenizer, setup: EngineSetup | None = Non
                        f"tokens but model.target {job.model.target} has a vocabulary of {target.vocab_size}: "
                        "they do not belong together (set model.tokenizer to the target's own)")
     drafter = None
-    say = (lambda line: print(line, file=sys.stderr)) if parallel.global_rank() == 0 else (lambda line: None)
+    say = (lambda line: print(line, file=sys.stderr)) if parallel.run_rank() == 0 else (lambda line: None)
     if parallel.stage()[1] > 1 and parallel.rank() == 0:  # the layout, a line from each stage's first rank
         print(_stage_line(target, job), file=sys.stderr)
     if job.model.drafter:

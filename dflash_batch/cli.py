@@ -122,9 +122,9 @@ def _run_shard(job: Job, shard: Shard, progress: bool, job_file: str,
     except KeyboardInterrupt:  # Ctrl-C before the run took the signal (checking inputs): no row was finished
         click.echo(f"interrupted: {RESUME_HINT}", err=True)
         sys.exit(EXIT_INTERRUPTED)
-    if parallel.global_rank() == 0 and result.already_complete:
+    if parallel.run_rank() == 0 and result.already_complete:
         click.echo(f"shard {result.shard}: already complete for these inputs; nothing to do")
-    elif parallel.global_rank() == 0:
+    elif parallel.run_rank() == 0:
         click.echo(f"\nshard {result.shard}: {result.rows_written} rows committed this run")
         click.echo(_table(["bucket", "rows", "ok", "error", "prompt tokens", "cached", "tokens", "acc_len",
                            "proposal_acc"],
@@ -135,10 +135,10 @@ def _run_shard(job: Job, shard: Shard, progress: bool, job_file: str,
     tally = result.progress
     if tally is None:
         return
-    if tally.errors and parallel.global_rank() == 0:
+    if tally.errors and parallel.run_rank() == 0:
         click.echo("error rows this run, by error_type:\n" + "\n".join(tally.error_summary()), err=True)
     if tally.too_many_errors(job.output.max_error_fraction):  # every rank: they ran the same rows
-        if parallel.global_rank() == 0:
+        if parallel.run_rank() == 0:
             click.echo(f"failed: {sum(tally.errors.values())} of the {tally.done} rows this run are error rows "
                        f"(output.max_error_fraction: {job.output.max_error_fraction}). They are committed, so "
                        "rerunning this command does not run them again: fix the cause, then run them with "

@@ -16,6 +16,17 @@ collectives above run over the stage's ranks: world_size() and rank() are the st
 stages, rank r of a stage hands its rows to rank r of the next (send_next / recv_prev), and the
 last stage's results reach every stage by from_last_stage. Decisions the whole run must share
 (any_rank, agreed, barrier) span every rank.
+
+Data-parallel groups (form_data_parallel, model.data_parallel_size): the ranks split into groups
+of tensor_parallel_size consecutive ranks (one node's GPUs), each a run of its own: its own rows,
+caches and drafter, its tensor-parallel collectives and its decisions (any_rank, agreed,
+barrier, run_rank) over its own ranks only. The one thing that joins them is the routed experts
+sharded over every rank (model.expert_parallel): each MoE layer sends this group's latent rows to
+rank r of every group (dispatch) and takes back their partial sums for its rows (combine), padded
+to the most rows any group runs in that forward. So every group runs every forward together, in
+lockstep: each target forward begins with expert_step, and a group with no rows left serves the
+others' forwards (expert_idle) until every group is done; a group that skipped one would leave
+every other rank waiting in its next collective.
 """
 
 from __future__ import annotations
@@ -51,22 +62,88 @@ class _Stages:
 _stages: _Stages | None = None
 
 
+@dataclass(frozen=True)
+class _DataGroups:
+    """This rank's data-parallel group, `index` of `count`: `group` its `size` ranks (tensor
+    parallelism and the group's decisions), `peers` rank r of every group (dispatch, combine),
+    `first` the global rank of its rank 0."""
+
+    count: int
+    index: int
+    size: int
+    first: int
+    group: dist.ProcessGroup
+    peers: dist.ProcessGroup
+
+
+_data: _DataGroups | None = None
+_step_rows = 0  # the rows every group's dispatch carries in the current forward (expert_step)
+idle_forwards = 0  # forwards this rank served for other groups after its own rows were done
+
+
 def world_size() -> int:
     """Ranks in this rank's tensor-parallel group (its stage's, under pipeline stages)."""
     if _planned is not None:
         return _planned
     if _stages is not None:
         return _stages.size
+    if _data is not None:
+        return _data.size
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _group() -> dist.ProcessGroup | None:
-    return _stages.group if _stages is not None else None
+    """The tensor-parallel group (None: every rank of the process group)."""
+    if _stages is not None:
+        return _stages.group
+    return _data.group if _data is not None else None
 
 
-def global_rank() -> int:
-    """This rank among every rank of the run (0 writes the outputs)."""
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+def run_rank() -> int:
+    """This rank among every rank of its run, all stages (0 writes the outputs): its data-parallel
+    group's, under data-parallel groups."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return dist.get_rank() - (_data.first if _data is not None else 0)
+
+
+def form_data_parallel(count: int) -> None:
+    """Split the run's ranks into `count` data-parallel groups of equal size, consecutive ranks
+    a group (every rank calls this, in step). A count of 1 changes nothing."""
+    global _data
+    if count == 1:
+        return
+    if _stages is not None:
+        raise ValueError("data-parallel groups and pipeline stages do not combine")
+    size, group, peers = _split_ranks(count, "data-parallel groups")
+    index = dist.get_rank() // size
+    _data = _DataGroups(count, index, size, index * size, group, peers)
+
+
+def _split_ranks(count: int, what: str) -> tuple[int, dist.ProcessGroup, dist.ProcessGroup]:
+    """The run's ranks as `count` blocks of consecutive ranks: (ranks a block, this rank's block's
+    group, the group of rank r of every block, r this rank's place in its block). Every rank makes
+    every group, in step."""
+    total = dist.get_world_size()
+    if total % count:
+        raise ValueError(f"{total} ranks do not split into {count} {what} of equal size")
+    size, me = total // count, dist.get_rank()
+    blocks = [dist.new_group(list(range(b * size, (b + 1) * size))) for b in range(count)]
+    peers = [dist.new_group(list(range(r, total, size))) for r in range(size)]
+    return size, blocks[me // size], peers[me % size]
+
+
+def leave_data_parallel() -> None:
+    """Forget the data-parallel groups (their process groups end with leave_group)."""
+    global _data
+    _data = None
+
+
+def data_parallel() -> tuple[int, int]:
+    """(this rank's data-parallel group, groups): (0, 1) without them, and while planning."""
+    if _planned is not None or _data is None:
+        return (0, 1)
+    return (_data.index, _data.count)
 
 
 def form_stages(count: int) -> None:
@@ -75,13 +152,8 @@ def form_stages(count: int) -> None:
     global _stages
     if count == 1:
         return
-    total = dist.get_world_size()
-    if total % count:
-        raise ValueError(f"{total} ranks do not split into {count} pipeline stages of equal size")
-    size, me = total // count, dist.get_rank()
-    groups = [dist.new_group(list(range(s * size, (s + 1) * size))) for s in range(count)]
-    peers = [dist.new_group(list(range(r, total, size))) for r in range(size)]
-    _stages = _Stages(count, me // size, size, groups[me // size], peers[me % size])
+    size, group, peers = _split_ranks(count, "pipeline stages")
+    _stages = _Stages(count, dist.get_rank() // size, size, group, peers)
 
 
 def leave_stages() -> None:
@@ -200,6 +272,8 @@ def rank() -> int:
         return 0
     if _stages is not None:
         return dist.get_rank() % _stages.size
+    if _data is not None:
+        return dist.get_rank() % _data.size
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
@@ -322,18 +396,30 @@ def sharded_prob(local: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def run_size() -> int:
-    """Every rank of the run, all stages (1 while planning)."""
+    """Every rank of the run, all stages (1 while planning): its data-parallel group's, under
+    data-parallel groups."""
     if _planned is not None:
         return 1
+    if _data is not None:
+        return _data.size
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _run_group() -> tuple[dist.ProcessGroup | None, int]:
+    """(the group the run's decisions span, the global rank of its rank 0)."""
+    return (_data.group, _data.first) if _data is not None else (None, 0)
+
+
+def _flags(*values: int) -> torch.Tensor:
+    return torch.tensor(values, device="cuda" if dist.get_backend() == "nccl" else "cpu")
 
 
 def any_rank(flag: bool) -> bool:
     """True on every rank of the run if it is true on any (so all ranks take the same branch)."""
     if run_size() == 1:
         return flag
-    t = torch.tensor([int(flag)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    t = _flags(int(flag))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_run_group()[0])
     return bool(t.item())
 
 
@@ -342,8 +428,8 @@ def agreed(value: int) -> int:
     timed on its own clock)."""
     if run_size() == 1:
         return value
-    t = torch.tensor([value], device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    dist.broadcast(t, 0)
+    t = _flags(value)
+    dist.broadcast(t, _run_group()[1], group=_run_group()[0])
     return int(t.item())
 
 
@@ -351,13 +437,92 @@ def agreed_tensor(t: torch.Tensor) -> torch.Tensor:
     """Rank 0's values of `t` on every rank of the run, in place (as agreed, for a tensor on the
     group's device)."""
     if run_size() > 1:
-        dist.broadcast(t, 0)
+        dist.broadcast(t, _run_group()[1], group=_run_group()[0])
     return t
 
 
 def barrier() -> None:
     if run_size() > 1:
-        dist.barrier()
+        dist.barrier(group=_run_group()[0])
+
+
+def any_group(flag: bool) -> bool:
+    """True on every rank of every data-parallel group if it is true on any."""
+    if _data is None:
+        return any_rank(flag)
+    t = _flags(int(flag))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+# -- routed experts across data-parallel groups ---------------------------------------------------
+
+def expert_rank() -> tuple[int, int]:
+    """(this rank among the ranks the routed experts are sharded over, those ranks): every rank
+    of every data-parallel group, group by group."""
+    group, groups = data_parallel()
+    return group * world_size() + rank(), groups * world_size()
+
+
+def expert_step(rows: int) -> int:
+    """Begin a target forward of `rows` tokens (every rank of every group, before each): the most
+    rows any group's forward carries, which each MoE layer's dispatch is padded to. Without
+    data-parallel groups, `rows`."""
+    global _step_rows
+    _step_rows = rows
+    if _data is not None and _planned is None:
+        t = _flags(rows, 1)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        _step_rows = int(t[0].item())
+    return _step_rows
+
+
+def expert_idle() -> int | None:
+    """A group with no rows left: None once every group is done (every rank then goes on), else
+    the rows of the forward the others are beginning, which this rank serves with none of its own."""
+    global _step_rows, idle_forwards
+    if _data is None or _planned is not None:
+        return None
+    t = _flags(0, 0)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if not t[1].item():
+        return None
+    _step_rows = int(t[0].item())
+    idle_forwards += 1
+    return _step_rows
+
+
+def dispatch(x: torch.Tensor) -> torch.Tensor:
+    """This group's rows [T, ...] padded to the step's rows P -> every group's [groups * P, ...],
+    group by group (from rank r of each: the same rows on every rank of a group)."""
+    groups = data_parallel()[1]
+    if groups == 1:
+        return x
+    _add("dispatch", x)
+    padded = x.new_zeros((_step_rows, *x.shape[1:]))
+    padded[:x.shape[0]] = x
+    out = x.new_empty((groups * _step_rows, *x.shape[1:]))
+    if _planned is None:
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, padded, group=_data.peers)
+    return out
+
+
+def combine(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """Partial sums [groups * P, ...] for every group's rows -> this group's first `rows`, summed
+    over the peers (the inverse of dispatch)."""
+    groups = data_parallel()[1]
+    if groups == 1:
+        return x
+    _add("combine", x)
+    chunks = x.unflatten(0, (groups, -1)).contiguous()
+    if _planned is not None:
+        return chunks[0, :rows]
+    if dist.get_backend(_data.peers) != "nccl":  # gloo has no reduce-scatter of its own (reduce_scatter_dim1)
+        dist.all_reduce(chunks, group=_data.peers)
+        return chunks[_data.index, :rows]
+    out = x.new_empty(chunks.shape[1:])
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, x.contiguous(), group=_data.peers)
+    return out[:rows]
 
 
 def local_gpu(env: dict[str, str], gpus: int) -> int:
@@ -429,8 +594,13 @@ def leave_group() -> None:
 
 
 def describe_rank() -> str:
-    """"rank R of N on HOST" ("rank R of N (stage S of P) on HOST" under pipeline stages): how a
-    rank's messages name it in a log every rank writes to."""
+    """"rank R of N on HOST" ("rank R of N (stage S of P) on HOST" under pipeline stages, "(data-
+    parallel group G of D)" under those): how a rank's messages name it in a log every rank
+    writes to. R and N count every rank of the process group."""
     index, count = stage()
+    group, groups = data_parallel()
     where = f" (stage {index} of {count})" if count > 1 else ""
-    return f"rank {global_rank()} of {run_size()}{where} on {socket.gethostname()}"
+    where += f" (data-parallel group {group} of {groups})" if groups > 1 else ""
+    on = dist.is_available() and dist.is_initialized()
+    me, total = (dist.get_rank(), dist.get_world_size()) if on else (0, 1)
+    return f"rank {me} of {total}{where} on {socket.gethostname()}"

@@ -72,9 +72,9 @@ class _Run:
         out_dir = Path(job.output.dir)
         self.rows = RowDecoder(job, shard, tokenizer, engine, config_hash, delimiters,
                                keys_to_skip(out_dir, shard.index, job), self._commit,
-                               progress=progress and parallel.global_rank() == 0,
-                               journal=TurnJournal(shard_dir(out_dir, shard.index), parallel.global_rank() == 0))
-        self.writer = None if parallel.global_rank() else PartWriter(
+                               progress=progress and parallel.run_rank() == 0,
+                               journal=TurnJournal(shard_dir(out_dir, shard.index), parallel.run_rank() == 0))
+        self.writer = None if parallel.run_rank() else PartWriter(
             shard_dir(out_dir, shard.index), passthrough=job.input.passthrough_columns,
             optional=self.rows.optional, rows_per_part=job.output.rows_per_part,
             flush_seconds=job.output.flush_seconds, compression=job.output.compression,
@@ -224,8 +224,8 @@ def run_job(job: Job, engine_factory: EngineFactory, shard: Shard, progress: boo
 
     previous = {s: signal.signal(s, while_loading) for s in STOP_SIGNALS} if on_main else {}
     try:
-        with shard_lock(out_dir, shard.index) if parallel.global_rank() == 0 else contextlib.nullcontext():
-            tally = Progress(progress_path(out_dir, shard.index) if parallel.global_rank() == 0 else None,
+        with shard_lock(out_dir, shard.index) if parallel.run_rank() == 0 else contextlib.nullcontext():
+            tally = Progress(progress_path(out_dir, shard.index) if parallel.run_rank() == 0 else None,
                              log=not progress, slurm=slurm_of(os.environ))
             run = None
             try:
@@ -233,7 +233,7 @@ def run_job(job: Job, engine_factory: EngineFactory, shard: Shard, progress: boo
                 # run.json only once the checkpoints loaded, so a mistyped path cannot tie the directory
                 # to it. Rank 0 creates it; every rank reads the committed rows before any rank writes
                 # more, so all ranks schedule the same requests (their collectives must match).
-                config_hash = lock_run(out_dir, job, shard, job_file) if parallel.global_rank() == 0 else None
+                config_hash = lock_run(out_dir, job, shard, job_file) if parallel.run_rank() == 0 else None
                 parallel.barrier()
                 config_hash = config_hash or lock_run(out_dir, job, shard, job_file)
                 run = _Run(job, shard, tokenizer, engine, config_hash, progress, delimiters, on_row, tally=tally)
@@ -246,12 +246,12 @@ def run_job(job: Job, engine_factory: EngineFactory, shard: Shard, progress: boo
                 with fewer_gc_passes():
                     written = run.run()
                 stats = (write_shard_stats(out_dir, shard.index, complete=True, inputs=inputs,
-                                           schedule=schedules(engine)) if parallel.global_rank() == 0 else {})
+                                           schedule=schedules(engine)) if parallel.run_rank() == 0 else {})
             except BaseException as e:
                 # Stats are recomputed from the committed parts; a failure writing them now (the
                 # disk that stopped the run may still be full) must not hide why the run stopped.
                 # Preempted, the seconds before SIGKILL are not spent reading every part back.
-                if parallel.global_rank() == 0 and run is not None:
+                if parallel.run_rank() == 0 and run is not None:
                     with contextlib.suppress(Exception):
                         write_shard_stats(out_dir, shard.index, complete=False, inputs=inputs,
                                           count=not isinstance(e, Preempted), schedule=schedules(run.engine))

@@ -21,6 +21,7 @@ from dflash_batch.backends.meta import AttnMeta, Stagger
 from dflash_batch.kernels import moe_mxfp4, ops
 from dflash_batch.kernels.moe_mxfp4 import situ
 from dflash_batch.models.layers.dtypes import wide, wide_dtype
+from dflash_batch.models.layers.expert_parallel import ExpertTable, sharded_experts
 from dflash_batch.models.layers.kda import kda_gate, kda_kernels, l2norm, short_conv
 from dflash_batch.models.layers.linear import (
     ColumnParallelLinear, ParallelLMHead, ReplicatedLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -34,16 +35,18 @@ LORA_NORM_EPS = 1e-6  # the official q_a/kv_a LoRA norms take RMSNorm's default,
 
 
 class SituMLP(nn.Module):
-    """gate/up column-parallel, down row-parallel, SiTU between (dense layer 0, shared experts)."""
+    """gate/up column-parallel, down row-parallel, SiTU between (dense layer 0, shared experts);
+    `whole`: every projection whole on this rank (a routed expert under expert parallelism)."""
 
     names = ("gate_proj", "up_proj", "down_proj")
 
-    def __init__(self, config: dict, hidden: int, inter: int, reduce: bool = True):
+    def __init__(self, config: dict, hidden: int, inter: int, reduce: bool = True, whole: bool = False):
         super().__init__()
         gate, up, down = self.names
-        setattr(self, gate, ColumnParallelLinear(hidden, inter))
-        setattr(self, up, ColumnParallelLinear(hidden, inter))
-        setattr(self, down, RowParallelLinear(inter, hidden, reduce=reduce))
+        setattr(self, gate, ReplicatedLinear(hidden, inter) if whole else ColumnParallelLinear(hidden, inter))
+        setattr(self, up, ReplicatedLinear(hidden, inter) if whole else ColumnParallelLinear(hidden, inter))
+        setattr(self, down, ReplicatedLinear(inter, hidden) if whole else RowParallelLinear(inter, hidden,
+                                                                                            reduce=reduce))
         self.beta = config.get("activation_situ_beta", 4.0)
         self.linear_beta = config.get("activation_situ_linear_beta", 25.0)
 
@@ -54,7 +57,7 @@ class SituMLP(nn.Module):
 
 class Expert(SituMLP):
     """A routed expert, in the latent width; built with reduce=False, as all experts' partial
-    outputs are summed and reduced once."""
+    outputs are summed and reduced once (or whole, under expert parallelism)."""
 
     names = ("w1", "w3", "w2")
 
@@ -76,9 +79,14 @@ class Router(nn.Module):
 
 class LatentMoE(nn.Module):
     """Sigmoid router (bias for selection only), experts in a latent width, RMSNorm, up-projection,
-    plus full-width shared experts."""
+    plus full-width shared experts.
 
-    def __init__(self, config: dict):
+    The routed experts are cut across the tensor-parallel ranks, each rank holding a slice of
+    every expert; or, with config["expert_placement"] (models/layers/expert_parallel.py), whole,
+    each rank holding its slots' experts, the latent rows dispatched to every data-parallel group.
+    `routed_tokens` counts the (token, expert) routes of this group's rows (the placement's input)."""
+
+    def __init__(self, config: dict, index: int):
         super().__init__()
         hidden, latent = config["hidden_size"], config["routed_expert_hidden_size"]
         self.top_k = config["num_experts_per_token"]
@@ -89,12 +97,17 @@ class LatentMoE(nn.Module):
         self.routed_expert_up_proj = ReplicatedLinear(latent, hidden)
         self.routed_expert_norm = RMSNorm(latent, config["rms_norm_eps"])
         experts, inter = config["num_experts"], config["moe_intermediate_size"]
+        placement = config.get("expert_placement")
+        self.table = None if placement is None else ExpertTable(placement.of_layer(index), experts,
+                                                                 parallel.expert_rank()[0])
+        slots, whole = (experts, False) if placement is None else (placement.slots, True)
         if (config.get("quantization_config") or {}).get("quant_method") == "compressed-tensors":
             # MXFP4 experts (quant.check_config admits no other compressed-tensors scheme) stay packed.
-            self.experts = MXFP4Experts(experts, latent, inter, config.get("activation_situ_beta", 4.0),
-                                        config.get("activation_situ_linear_beta", 25.0))
+            self.experts = MXFP4Experts(slots, latent, inter, config.get("activation_situ_beta", 4.0),
+                                        config.get("activation_situ_linear_beta", 25.0), whole)
         else:
-            self.experts = DenseExperts(Expert(config, latent, inter, reduce=False) for _ in range(experts))
+            self.experts = DenseExperts(Expert(config, latent, inter, reduce=False, whole=whole) for _ in range(slots))
+        self.register_buffer("routed_tokens", torch.zeros(experts, dtype=torch.long), persistent=False)
         shared = config.get("num_shared_experts", 0) * config["moe_intermediate_size"]
         self.shared_experts = SituMLP(config, hidden, shared) if shared else None
 
@@ -105,10 +118,25 @@ class LatentMoE(nn.Module):
         if self.renormalize and self.top_k > 1:  # the official gate leaves a single expert's weight as is
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         weights = (weights * self.scaling).to(x.dtype)
-        routed = self.experts(self.routed_expert_down_proj(x), ids, weights)
+        # The routes counted from a stride-0 one: no [T * k] tensor (the plan's activation bound).
+        self.routed_tokens.index_add_(0, ids.flatten(), self.routed_tokens.new_ones(()).expand(ids.numel()))
+        routed = self.routed(self.routed_expert_down_proj(x), ids, weights)
         # The norm must see the sum over every rank's expert shards.
         out = self.routed_expert_up_proj(self.routed_expert_norm(parallel.all_reduce(routed)))
         return out if self.shared_experts is None else out + self.shared_experts(x)
+
+    def routed(self, latent: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The routed experts' sum for these rows: this rank's part of it (reduced by the caller)."""
+        if self.table is None:
+            return self.experts(latent, ids, weights)
+        return sharded_experts(self.experts, self.table, latent, ids, weights)
+
+    def serve(self) -> None:
+        """Serve the other groups' rows in a forward this group has none for (parallel.expert_idle)."""
+        weight = self.routed_expert_down_proj.weight  # [latent, hidden]: the latent's width and dtype
+        none = weight.new_zeros(0, weight.shape[0])
+        self.routed(none, torch.zeros(0, self.top_k, dtype=torch.long, device=weight.device),
+                    weight.new_zeros(0, self.top_k))
 
 
 def attn_res_mix(current: torch.Tensor, blocks: list[torch.Tensor], norm: RMSNorm,
@@ -305,7 +333,7 @@ class DecoderLayer(nn.Module):
         if not moe:
             self.mlp = SituMLP(config, hidden, config["intermediate_size"])
         else:
-            self.block_sparse_moe = LatentMoE(config)
+            self.block_sparse_moe = LatentMoE(config, index)
         block = config["attn_res_block_size"]
         self.is_write, self.write_idx, self.prev = index % block == 0, index // block, -(-index // block)
 
@@ -356,11 +384,14 @@ class KimiK3ForConditionalGeneration(nn.Module):
         text = config.get("text_config", config)
         if "quantization_config" in config and "quantization_config" not in text:
             text = {**text, "quantization_config": config["quantization_config"]}  # as TokenSpeed propagates it
+        if config.get("expert_placement") is not None:  # build_model's, under expert parallelism
+            text = {**text, "expert_placement": config["expert_placement"]}
         if text.get("hidden_act", "situ") != "situ":
             raise NotImplementedError(f"hidden_act={text['hidden_act']!r} is not supported for Kimi-K3")
         self.config = text
         self.hidden_size, self.vocab_size = text["hidden_size"], text["vocab_size"]
         self.num_layers, self.dtype = text["num_hidden_layers"], torch.get_default_dtype()
+        self.experts_sharded = text.get("expert_placement") is not None
         self.held = held_layers(self.num_layers, lambda: self._sizes(text))
         self.model = KimiLinearModel(text, self.held)
         if self.held.stop == self.num_layers:
@@ -392,7 +423,31 @@ class KimiK3ForConditionalGeneration(nn.Module):
         parts = name.split(".")
         if parts[:2] == ["model", "layers"] and int(parts[2]) >= self.num_layers:
             return None  # multi-token-prediction layers past the last decoder layer
-        return stage_name(name, self.held, self.num_layers, ("model.norm.", "model.output_attn_res_", "lm_head."))
+        name = stage_name(name, self.held, self.num_layers, ("model.norm.", "model.output_attn_res_", "lm_head."))
+        return name if name is None else self._expert_slot(name)
+
+    def _expert_slot(self, name: str) -> str | None:
+        """Under expert parallelism: a routed expert's tensor under the name of the slot that holds
+        it here, None where another rank holds it (this rank never reads it)."""
+        parts = name.split(".")
+        if len(parts) < 6 or parts[3:5] != ["block_sparse_moe", "experts"] or not parts[5].isdigit():
+            return name
+        table = self.model.layers[int(parts[2])].block_sparse_moe.table
+        if table is None:
+            return name
+        slot = table.checkpoint_slot(int(parts[5]))
+        return None if slot is None else ".".join([*parts[:5], str(slot), *parts[6:]])
+
+    def moe_layers(self) -> list[LatentMoE]:
+        return [layer.block_sparse_moe for layer in self.model.layers if hasattr(layer, "block_sparse_moe")]
+
+    def serve_experts(self) -> None:
+        """This group's rows are all done: serve every forward the other data-parallel groups still
+        run (each MoE layer's dispatch and combine) until every group is done."""
+        if self.experts_sharded:
+            while parallel.expert_idle() is not None:
+                for moe in self.moe_layers():
+                    moe.serve()
 
     def set_taps(self, layer_ids: list[int], stream: str | None = None) -> None:
         n = self.num_layers
@@ -480,6 +535,8 @@ class KimiK3ForConditionalGeneration(nn.Module):
     def run_layers(self, carry: list[torch.Tensor], meta: AttnMeta) -> list[torch.Tensor]:
         nb = self._blocks(self.held.start)
         prefix, blocks, taps = carry[0], carry[1:1 + nb], carry[1 + nb:]
+        if self.experts_sharded:  # every data-parallel group's forward begins together
+            parallel.expert_step(prefix.shape[0])
         for i, layer in zip(self.held, self.model.layers):
             if self.tap_stream == "attn_res" and i - 1 in self.tap_ids:
                 taps.append(layer.attn_mix(prefix, blocks))  # tap L = the mix entering layer L+1

@@ -22,6 +22,7 @@ from torch import nn
 
 from dflash_batch import parallel
 from dflash_batch.models import quant
+from dflash_batch.models.layers.expert_parallel import Placement
 from dflash_batch.models.registry import model_class
 
 
@@ -238,10 +239,13 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def build_model(path: str | Path, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+def build_model(path: str | Path, dtype: torch.dtype, device: torch.device | str,
+                expert_placement: Placement | None = None) -> nn.Module:
     """The checkpoint's model from its config.json, its weights not read (on the meta device: what
-    it would hold, sizing.py)."""
+    it would hold, sizing.py). `expert_placement`: the routed experts sharded whole by it."""
     config = load_config(path)
+    if expert_placement is not None:
+        config["expert_placement"] = expert_placement
     quant.check_config(config)
     # Build parameters directly in their final dtype and device, so a large model never exists
     # as a full fp32 copy. No blanket .to(dtype) afterwards: it would also round float32
@@ -250,7 +254,8 @@ def build_model(path: str | Path, dtype: torch.dtype, device: torch.device | str
         return model_class(config)(config)
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> nn.Module:
-    model = build_model(path, dtype, device)
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+               expert_placement: Placement | None = None) -> nn.Module:
+    model = build_model(path, dtype, device, expert_placement)
     load_weights(model, path)
     return model.eval()

@@ -29,7 +29,7 @@ def _stored(shape: tuple[int, int], shard_dim: int, parts: list[tuple[str, int]]
 class PackedProjection(nn.Module):
     """One projection (w1, w3 or w2) of all experts: codes [E*rows, cols/2], scales [E*rows, ceil(cols/32)]."""
 
-    def __init__(self, name: str, experts: int, rows: int, cols: int, shard_dim: int):
+    def __init__(self, name: str, experts: int, rows: int, cols: int, shard_dim: int | None):
         super().__init__()
         if shard_dim == 1 and cols % GROUP:  # a scale group would straddle two ranks
             raise ValueError(f"MXFP4 experts: {name}'s {cols} input columns a rank (tensor_parallel_size "
@@ -47,15 +47,16 @@ class PackedProjection(nn.Module):
 class MXFP4Experts(nn.Module):
     """Every routed expert of a layer (SiTU between w1/w3 and w2), packed; w1/w3 cut along their
     output rows across ranks and w2 along its input columns, as Expert's linears are, so each
-    rank returns a partial sum that the caller reduces once."""
+    rank returns a partial sum that the caller reduces once. `whole`: this rank's expert slots,
+    each whole (expert parallelism)."""
 
-    def __init__(self, experts: int, hidden: int, inter: int, beta: float, linear_beta: float):
+    def __init__(self, experts: int, hidden: int, inter: int, beta: float, linear_beta: float, whole: bool = False):
         super().__init__()
-        local = per_rank(inter, "moe_intermediate_size")
+        local = inter if whole else per_rank(inter, "moe_intermediate_size")
         # Module names are those of the checkpoint's experts.{e}.{w1,w3,w2}.
-        self.w1 = PackedProjection("w1", experts, local, hidden, 0)
-        self.w3 = PackedProjection("w3", experts, local, hidden, 0)
-        self.w2 = PackedProjection("w2", experts, hidden, local, 1)
+        self.w1 = PackedProjection("w1", experts, local, hidden, None if whole else 0)
+        self.w3 = PackedProjection("w3", experts, local, hidden, None if whole else 0)
+        self.w2 = PackedProjection("w2", experts, hidden, local, None if whole else 1)
         self.beta, self.linear_beta = beta, linear_beta
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
