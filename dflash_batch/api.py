@@ -116,9 +116,10 @@ def _check_ranks(job: Job) -> None:
     from dflash_batch import parallel
 
     m = job.model
-    if m.pipeline_parallel_size > 1:
-        raise JobError(f"model.pipeline_parallel_size {m.pipeline_parallel_size}: generate runs no pipeline "
-                       "stages; run the job with `dflash-batch run`")
+    for field in ("pipeline_parallel_size", "data_parallel_size"):
+        if getattr(m, field) > 1:
+            raise JobError(f"model.{field} {getattr(m, field)}: generate runs one tensor-parallel group; run the "
+                           "job with `dflash-batch run`")
     if m.tensor_parallel_size != parallel.run_size():
         raise JobError(f"model.tensor_parallel_size {m.tensor_parallel_size}, but this process is one of "
                        f"{parallel.run_size()} ranks: call generate on every rank of a group of that size "

@@ -11,6 +11,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import orjson
 import torch
 
 from dflash_batch import parallel
@@ -20,6 +21,7 @@ from dflash_batch.engine.pair import attach_drafter
 from dflash_batch.job import AutoSpeculationSpec, Job, JobError
 from dflash_batch.kernels import _triton
 from dflash_batch.models.dflash import draft_value
+from dflash_batch.models.layers.expert_parallel import Placement
 from dflash_batch.models.loader import load_config, load_model
 from dflash_batch.tokenizer import Tokenizer
 
@@ -38,12 +40,17 @@ class EngineSetup:
     compile_if_it_pays: bool = False  # a bucket of few rounds runs uncompiled (engine.compile absent)
     context_parallel: bool = False  # MLA latents split across the ranks by token (backends/latent_split.py)
     per_row: bool = True  # auto buckets' rows may verify different numbers of drafts (engine/row_drafts.py)
+    expert_placement: Placement | None = None  # routed experts sharded whole over every rank by it
+
 
     def describe(self) -> str:
         graphs = f"on, sizes {self.capture_sizes}" if self.cuda_graphs else "off"
         padded = f", rounds padded to {self.capture_sizes}" if self.capture_sizes and not self.cuda_graphs else ""
         compiled = ("where it pays" if self.compile_if_it_pays else "on") if self.compile else "off"
         split = " context_parallel=on" if self.context_parallel else ""
+        placed = self.expert_placement
+        if placed is not None:
+            split += f" expert_parallel={placed.ranks} ranks x {placed.slots} slots"
         return (f"engine: device={self.device} backend={self.backend}{split} kernels={self.kernels} "
                 f"cuda_graphs={graphs} compile={compiled}{padded} per_row_drafts={'on' if self.per_row else 'off'}")
 
@@ -61,6 +68,7 @@ class _Checkpoint:
     latent: tuple[int | None, int | None]  # an MLA model's (kv_lora_rank, qk_rope_head_dim)
     causal: bool              # a drafter's block attends causally
     layers: int | None        # decoder layers (what pipeline stages split)
+    experts: int              # routed experts a MoE layer (0: a dense model)
 
     @classmethod
     def read(cls, path: str, role: str) -> _Checkpoint:
@@ -76,7 +84,7 @@ class _Checkpoint:
                    text.get("sliding_window") if text.get("layer_types") else None,
                    draft_value(text, "block_size"), quant.get("quant_method") == "compressed-tensors",
                    (text.get("kv_lora_rank"), text.get("qk_rope_head_dim")), bool(text.get("is_causal")),
-                   text.get("num_hidden_layers"))
+                   text.get("num_hidden_layers"), text.get("num_experts") or 0)
 
     @property
     def mla(self) -> bool:
@@ -201,7 +209,36 @@ def resolve_engine(job: Job, cuda: bool | None = None, flashinfer: bool | None =
                        "(speculation: auto keeps one number a round here)")
     # engine.context_parallel absent: sizing.fit_job decides it where engine.gpu_memory is set; off here.
     return EngineSetup(device, backend, graphs, compiled, sizes, kernels, compiled and e.compile is None,
-                       bool(e.context_parallel), why_no_per_row is None)
+                       bool(e.context_parallel), why_no_per_row is None, expert_placement(job, target_ckpt))
+
+
+def expert_placement(job: Job, target: _Checkpoint) -> Placement | None:
+    """Where each rank's routed experts come from under model.expert_parallel (None: cut across the
+    tensor-parallel ranks): the job's placement file, checked against the target and the ranks,
+    else the balanced default."""
+    m = job.model
+    if not m.expert_parallel:
+        return None
+    ranks = m.data_parallel_size * m.tensor_parallel_size
+    if not target.experts:
+        raise JobError(f"model.expert_parallel: the target {m.target} has no routed experts ({target.architecture})")
+    if target.experts % ranks:
+        raise JobError(f"model.expert_parallel: the target's {target.experts} routed experts do not split evenly "
+                       f"over {ranks} ranks (data_parallel_size {m.data_parallel_size} x tensor_parallel_size "
+                       f"{m.tensor_parallel_size})")
+    if m.expert_placement is None:
+        return Placement(target.experts, ranks, m.redundant_experts, {})
+    try:
+        placement = Placement.from_json(orjson.loads(Path(m.expert_placement).read_bytes()), m.expert_placement)
+    except (OSError, orjson.JSONDecodeError, ValueError) as e:
+        raise JobError(f"model.expert_placement: {e}") from None
+    wanted = (target.experts, ranks, m.redundant_experts)
+    if (placement.experts, placement.ranks, placement.redundant) != wanted:
+        raise JobError(f"model.expert_placement {m.expert_placement}: it places {placement.experts} experts on "
+                       f"{placement.ranks} ranks with {placement.redundant} replica slots each; this job has "
+                       f"{wanted[0]} experts, {ranks} ranks and model.redundant_experts {m.redundant_experts} "
+                       "(write it again with `dflash-batch experts place --ranks --redundant`)")
+    return placement
 
 
 def why_no_latent_split(job: Job) -> str | None:
@@ -236,9 +273,9 @@ def use_compile_cache(job: Job) -> Path:
     return root
 
 
-def _load(path: str, dtype: torch.dtype, device: str, role: str):
+def _load(path: str, dtype: torch.dtype, device: str, role: str, expert_placement: Placement | None = None):
     try:
-        return load_model(path, dtype, device)
+        return load_model(path, dtype, device, expert_placement)
     except (OSError, ValueError, KeyError, NotImplementedError) as e:
         raise JobError(f"model.{role} {path}: {e}") from None
 
@@ -273,7 +310,7 @@ def build_engine(job: Job, tokenizer: Tokenizer, setup: EngineSetup | None = Non
     if setup.compile or setup.device == "cuda":
         use_compile_cache(job)
     dtype = DTYPES[job.model.dtype]
-    target = _load(job.model.target, dtype, setup.device, "target")
+    target = _load(job.model.target, dtype, setup.device, "target", setup.expert_placement)
     if tokenizer.vocab_size > target.vocab_size:
         raise JobError(f"the tokenizer of {job.model.tokenizer or job.model.target} has {tokenizer.vocab_size} "
                        f"tokens but model.target {job.model.target} has a vocabulary of {target.vocab_size}: "

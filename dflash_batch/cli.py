@@ -17,7 +17,8 @@ import orjson
 from dflash_batch.io.outputs import output_json_schema
 from dflash_batch.job import Job, JobError, job_json_schema, load_job
 from dflash_batch.plan.roofline import CARD_ACC_LEN
-from dflash_batch.plan.shards import COUNT_VAR, K8S_INDEX, SLURM_VARS, Shard, parse_shard, resolve_shard
+from dflash_batch.plan.shards import (COUNT_VAR, K8S_INDEX, SLURM_VARS, Shard, group_shard, parse_shard,
+                                      resolve_shard)
 
 if TYPE_CHECKING:
     from dflash_batch.runner import EngineFactory
@@ -108,6 +109,7 @@ def _run_shard(job: Job, shard: Shard, progress: bool, job_file: str,
     from dflash_batch.io.outputs import CommitError
     from dflash_batch.runner import Preempted, run_job
 
+    shard = group_shard(shard, *parallel.data_parallel())
     try:
         result = run_job(job, engine_factory or build_engine, shard, progress=progress, job_file=job_file)
     except JobError as e:
@@ -203,6 +205,7 @@ def _tp_rank(rank: int, world: int, port: int, job: Job, shard: Shard, progress:
     from dflash_batch import parallel
 
     parallel.form_stages(job.model.pipeline_parallel_size)
+    parallel.form_data_parallel(job.model.data_parallel_size)
     code = 0
     try:  # another exception: multiprocessing reports it to the parent (a traceback) and exits 1
         _run_shard(job, shard, progress, job_file)
@@ -214,10 +217,12 @@ def _tp_rank(rank: int, world: int, port: int, job: Job, shard: Shard, progress:
 
 
 def _layout(job: Job) -> str:
-    """"N ranks (tensor_parallel_size T x pipeline_parallel_size P)", the latter only where P > 1."""
+    """"N ranks (tensor_parallel_size T x pipeline_parallel_size P x data_parallel_size D)", the
+    latter two only where above 1."""
     m = job.model
-    stages = f" x pipeline_parallel_size {m.pipeline_parallel_size}" if m.pipeline_parallel_size > 1 else ""
-    return f"{m.ranks} ranks (model.tensor_parallel_size {m.tensor_parallel_size}{stages})"
+    more = "".join(f" x {name} {n}" for name, n in (("pipeline_parallel_size", m.pipeline_parallel_size),
+                                                     ("data_parallel_size", m.data_parallel_size)) if n > 1)
+    return f"{m.ranks} ranks (model.tensor_parallel_size {m.tensor_parallel_size}{more})"
 
 
 def _exit_code(e: SystemExit) -> int:
@@ -276,6 +281,7 @@ def _run(job_file: str, shard_text: str | None, output_dir: str | None, no_progr
         if parallel.world_size() != ranks:
             _fail(JobError(f"started with {parallel.world_size()} ranks but the job runs {_layout(job)}"))
         parallel.form_stages(job.model.pipeline_parallel_size)
+        parallel.form_data_parallel(job.model.data_parallel_size)
         _set_threads(1)  # one rank a process: srun's --cpus-per-task, or OMP_NUM_THREADS per rank
         try:
             _run_shard(job, shard, not no_progress, job_file)
@@ -547,7 +553,10 @@ def status(out_dir: str) -> None:
             click.echo("rows from a Ray Data pipeline, not marked finished: run it again to finish (committed rows "
                        "are read back, not generated again), then call dflash_batch.ray.finish(OUT_DIR)")
     elif todo:
-        lines = resume_lines(todo, num_shards, run_record.get("job_file") or "JOB_FILE", out, records)
+        # Data-parallel groups each commit a shard of their own: task i's groups hold shards i * D ..
+        groups = run_record.get("job", {}).get("model", {}).get("data_parallel_size", 1)
+        tasks = sorted({i // groups for i in todo})
+        lines = resume_lines(tasks, num_shards // groups, run_record.get("job_file") or "JOB_FILE", out, records)
         click.echo(f"incomplete: shard(s) {array_spec(todo)}; to finish them:\n" + "\n".join(f"  {x}" for x in lines))
 
 
@@ -633,6 +642,40 @@ def retry(out_dir: str, where: tuple[str, ...], sets: tuple[str, ...], output_di
     job_file = Path(output_dir) / JOB_FILE
     click.echo(f"{samples} sample(s) of {rows} row(s) chosen; run them with:\n  dflash-batch run {job_file}\n"
                f"then `dflash-batch export {output_dir} DEST` writes {out_dir}'s rows with these in their place")
+
+
+@main.group()
+def experts() -> None:
+    """Routed experts under model.expert_parallel."""
+
+
+@experts.command("place")
+@click.argument("run_dir", type=click.Path(file_okay=False, exists=True))
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
+              help="The placement file to write (model.expert_placement).")
+@click.option("--ranks", type=int, help="Ranks the experts go on: data_parallel_size x tensor_parallel_size "
+              "(default: the run's).")
+@click.option("--redundant", type=int, help="Replica slots a rank, for the hottest experts (model.redundant_experts; "
+              "default: the run's).")
+def place(run_dir: str, output: str, ranks: int | None, redundant: int | None) -> None:
+    """Balance the experts over the ranks from RUN_DIR's routing counts (every shard's stats): the
+    hottest rank's load over the mean per layer, by default and placed, and the placement file."""
+    import orjson
+
+    from dflash_batch.io.outputs import atomic_write_bytes
+    from dflash_batch.plan.experts import placement_of_run
+
+    model = orjson.loads((Path(run_dir) / "run.json").read_bytes())["job"]["model"]
+    ranks = ranks or model.get("data_parallel_size", 1) * model["tensor_parallel_size"]
+    redundant = model.get("redundant_experts", 0) if redundant is None else redundant
+    try:
+        placement, rows = placement_of_run(Path(run_dir), ranks, redundant)
+    except JobError as e:
+        _fail(e)
+    atomic_write_bytes(Path(output), orjson.dumps(placement.to_json(), option=orjson.OPT_INDENT_2))
+    click.echo(_table(["layer", "routed tokens", "hottest/mean default", "hottest/mean placed"], rows))
+    click.echo(f"\nwrote {output}: {placement.experts} experts on {ranks} ranks, {placement.slots} slots each "
+               f"({redundant} replica slot(s)); run with model.expert_placement: {output}")
 
 
 @main.command("make-needle")

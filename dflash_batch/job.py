@@ -139,11 +139,43 @@ class ModelSpec(_Strict):
                                         "into, contiguous and balanced by their bytes, one node a stage: a round's "
                                         "rows go through the stages in turn (the drafter and the decision on the "
                                         "last). The run has tensor_parallel_size x pipeline_parallel_size ranks.")
+    data_parallel_size: int = Field(1, ge=1, le=64, description="Attention groups, each tensor_parallel_size "
+                                    "consecutive ranks (one node's GPUs) with its own rows, caches and drafter: "
+                                    "the run has data_parallel_size x tensor_parallel_size ranks, and group g of "
+                                    "shard i/n runs shard i x data_parallel_size + g of n x data_parallel_size. "
+                                    "Without expert_parallel the groups share nothing.")
+    expert_parallel: bool = Field(False, description="Shard the target's routed experts whole over every rank of "
+                                  "every data-parallel group (vLLM's --enable-expert-parallel), each rank reading "
+                                  "only its experts from the checkpoint; shared experts, dense layers, embeddings "
+                                  "and the head stay tensor-parallel inside the group. Each MoE layer sends the "
+                                  "group's latent rows to every group and takes back their sums, so the groups run "
+                                  "their target forwards in lockstep (a group with no rows left serves the others'). "
+                                  "Needs a target with routed experts (Kimi-K3) dividing evenly over the ranks.")
+    redundant_experts: int = Field(0, ge=0, le=64, description="Replica slots a rank adds under expert_parallel, "
+                                   "for the experts with the most routed tokens (EPLB): from expert_placement's "
+                                   "counts, else spread over the experts in id order.")
+    expert_placement: str | None = Field(None, description="A placement file from `dflash-batch experts place "
+                                         "RUN_DIR` (a previous run's routing counts, e.g. a Slurm array's pilot "
+                                         "shard): which experts each rank holds, layer by layer. Needs "
+                                         "expert_parallel; its ranks and redundant_experts must be the job's.")
 
     @property
     def ranks(self) -> int:
-        """The run's ranks: every stage's tensor-parallel group."""
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        """The run's ranks: every stage's tensor-parallel group, in every data-parallel group."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
+
+    @model_validator(mode="after")
+    def _experts_across_ranks(self) -> ModelSpec:
+        if self.data_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            raise ValueError("model.data_parallel_size and model.pipeline_parallel_size do not combine yet: "
+                             "set one of them to 1")
+        if not self.expert_parallel and (self.redundant_experts or self.expert_placement):
+            field = "redundant_experts" if self.redundant_experts else "expert_placement"
+            raise ValueError(f"model.{field} places routed experts on ranks: it needs model.expert_parallel: true")
+        if self.expert_parallel and self.pipeline_parallel_size > 1:
+            raise ValueError("model.expert_parallel does not run under pipeline stages yet "
+                             "(model.pipeline_parallel_size 1)")
+        return self
 
 
 class AutoSpeculationSpec(_Strict):
@@ -492,6 +524,9 @@ class Job(_Strict):
         if self.model.pipeline_parallel_size > 1:
             raise ValueError("conversations do not run under pipeline stages yet (model.pipeline_parallel_size 1)")
         hosted = self.conversation is not None and (self.conversation.tools or self.conversation.followups)
+        if hosted and self.model.data_parallel_size > 1:
+            raise ValueError("conversation.tools and conversation.followups do not run in data-parallel groups yet "
+                             "(model.data_parallel_size 1); input.followups_column works there")
         if hosted and self.model.tensor_parallel_size > 1:
             raise ValueError("conversation.tools and conversation.followups run on one host: under "
                              "tensor_parallel_size > 1 every rank would need rank 0's results (not yet); "

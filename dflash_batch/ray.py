@@ -72,7 +72,8 @@ class DFlashStage:
         if job.retry is not None:
             raise JobError("retry: a retry run reads its parent's input files again; run it with `dflash-batch run`")
         if job.model.ranks > 1:
-            field = "tensor_parallel_size" if job.model.tensor_parallel_size > 1 else "pipeline_parallel_size"
+            field = next(f for f in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
+                         if getattr(job.model, f) > 1)
             raise JobError(f"model.{field} > 1 is not supported in a Ray stage yet: one actor holds one rank; "
                            "run such a model with `dflash-batch run` (torchrun or srun)")
         if self.out_dir is not None and job.input.id_column is None and job.input.format != "openai_batch":

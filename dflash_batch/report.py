@@ -27,6 +27,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dflash_batch.io.ledger import array_spec, list_sums, part_files, read_part, speculation
+from dflash_batch.models.layers.expert_parallel import imbalance, place
+from dflash_batch.plan.experts import routed_counts
 
 COLUMNS = ["row_id", "sample_index", "status", "finish_reason", "prompt_tokens", "completion_tokens", "bucket",
            "spec_block_size", "spec_rounds", "spec_accepted", "spec_drafts_verified", "spec_histogram",
@@ -166,7 +168,26 @@ def build_report(out_dir: Path, group_by: str | None = None, answer: str | None 
     buckets = {k: v.summary(answer) for k, v in sorted(totals["buckets"].items(), key=lambda kv: _edge(kv[0]))}
     return {"group_by": group_by, "answer": answer, "match": match,
             "overall": totals["overall"].get("all", _Totals()).summary(answer), "groups": groups,
-            "buckets": buckets, "schedule": _schedules(out_dir), "whole_block_assumed": assumed, "turns": turns}
+            "buckets": buckets, "schedule": _schedules(out_dir), "whole_block_assumed": assumed, "turns": turns,
+            "experts": _experts(out_dir)}
+
+
+def _experts(out_dir: Path) -> dict | None:
+    """A MoE target's routing, every shard's counts summed: per layer the hottest rank's load over
+    the mean on the run's expert ranks, by default and as `experts place` would place them, and
+    the forwards each shard's group served for the others with no rows of its own."""
+    records = [orjson.loads(p.read_bytes()) for p in sorted((out_dir / "stats").glob("shard-*.json"))]
+    records = [r for r in records if (r.get("experts") or {}).get("routed_tokens")]
+    if not records:
+        return None
+    ranks, redundant = records[0]["experts"]["ranks"], records[0]["experts"].get("redundant", 0)
+    layers = {}
+    for layer, counts in routed_counts(out_dir).items():
+        if len(counts) % ranks == 0:
+            layers[str(layer)] = {"routed": sum(counts), "default": imbalance(counts, place([1] * len(counts), ranks, redundant)),
+                             "placed": imbalance(counts, place(counts, ranks, redundant))}
+    return {"ranks": ranks, "layers": layers,
+            "idle_forwards": {r["shard"]: r["experts"].get("idle_forwards", 0) for r in records}}
 
 
 TURNS = ("turn_prompt_tokens", "turn_completion_tokens", "turn_spec_rounds", "turn_spec_accepted")
@@ -296,6 +317,16 @@ def to_markdown(report: dict) -> str:
                   "", "| turn | conversations | mean prompt tokens | mean out tok | acc_len |", "|---|---|---|---|---|"]
         lines += [f"| {i} | {t['conversations']} | {_fmt(t['mean_prompt_tokens'], 1)} | "
                   f"{_fmt(t['mean_out_tokens'], 1)} | {_fmt(t['acc_len'])} |" for i, t in report["turns"].items()]
+        lines.append("")
+    if report.get("experts"):
+        e = report["experts"]
+        lines += ["## Routed experts", "", f"The hottest of {e['ranks']} expert ranks' load over the mean, by layer: "
+                  "with the default placement, and placed from these counts (`dflash-batch experts place`). "
+                  "Forwards served for other data-parallel groups with no rows of the shard's own: " +
+                  ", ".join(f"shard {s} {n}" for s, n in e["idle_forwards"].items()) + ".", "",
+                  "| layer | routed tokens | hottest/mean default | hottest/mean placed |", "|---|---|---|---|"]
+        lines += [f"| {layer} | {x['routed']} | {_fmt(x['default'], 3)} | {_fmt(x['placed'], 3)} |"
+                  for layer, x in e["layers"].items()]
         lines.append("")
     if report.get("schedule"):
         lines += ["## Speculation schedule (drafts verified a round, k)", ""]

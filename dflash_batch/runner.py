@@ -31,6 +31,7 @@ from dflash_batch.io.outputs import RESERVED, PartWriter, check_writable, output
 from dflash_batch.io.progress import Progress, progress_path, slurm_of
 from dflash_batch.io.turn_journal import TurnJournal
 from dflash_batch.job import Job, JobError, check_model_paths
+from dflash_batch.models.layers.expert_parallel import routing_stats
 from dflash_batch.output_rows import RowDecoder
 from dflash_batch.plan.ahead import fewer_gc_passes, prepare_ahead
 from dflash_batch.plan.rows import PreparedRow
@@ -151,14 +152,21 @@ class _Run:
             self.running = False
             if self.writer is not None:  # every finished row, now
                 self.writer.flush()
+            self._serve_other_groups()
             raise
         finally:
             self.running = False
             self.rows.close()
-        if self.writer is None:
-            return 0
-        self.writer.flush()
-        return self.writer.committed_rows
+        if self.writer is not None:
+            self.writer.flush()
+        self._serve_other_groups()
+        return self.committed()
+
+    def _serve_other_groups(self) -> None:
+        """Under expert parallelism this group's experts serve every data-parallel group: once its
+        own rows are committed it runs the others' forwards with none of its own until all are done."""
+        if self.job.model.expert_parallel:
+            self.engine.target.serve_experts()
 
 
 def check_job(job: Job) -> None:
@@ -202,6 +210,20 @@ def schedules(engine: object) -> dict[str, dict]:
     return {name: s.stats() for name, s in getattr(engine, "schedules", {}).items()}
 
 
+def expert_stats(job: Job, engine: object) -> dict | None:
+    """A MoE target's routing this run (routed tokens per layer and expert, the ranks' loads:
+    expert_parallel.routing_stats) and the forwards this group served for the others with no rows
+    of its own; None for a dense target."""
+    target = getattr(engine, "target", None)
+    layers = getattr(target, "moe_layers", dict)()
+    if not layers:
+        return None
+    m = job.model
+    stats = routing_stats({i: moe.routed_tokens.tolist() for i, moe in layers.items()},
+                          m.data_parallel_size * m.tensor_parallel_size, m.redundant_experts, target.expert_placement)
+    return {**stats, "idle_forwards": parallel.idle_forwards}
+
+
 def run_job(job: Job, engine_factory: EngineFactory, shard: Shard, progress: bool = True,
             job_file: str | None = None, on_row: Callable[[dict], None] | None = None) -> RunResult:
     """Run this shard of the job. Everything that can make the job fail as a whole (inputs,
@@ -212,7 +234,10 @@ def run_job(job: Job, engine_factory: EngineFactory, shard: Shard, progress: boo
     out_dir = Path(job.output.dir)
     check_run(out_dir, job, shard)  # a changed job is refused before any checkpoint loads
     inputs = input_identity(job, out_dir)
-    if shard_finished(out_dir, shard.index, inputs):  # a resubmitted finished task: no model to load
+    finished = shard_finished(out_dir, shard.index, inputs)
+    if job.model.expert_parallel:  # a finished group still loads its experts while another group has rows
+        finished = not parallel.any_group(not finished)
+    if finished:  # a resubmitted finished task: no model to load
         return RunResult(shard, 0, {}, already_complete=True)
     on_main = threading.current_thread() is threading.main_thread()
     early: list[int] = []  # a stop signal while the model loads stops the run before its first row
@@ -245,8 +270,9 @@ def run_job(job: Job, engine_factory: EngineFactory, shard: Shard, progress: boo
                     run.stop.set()
                 with fewer_gc_passes():
                     written = run.run()
-                stats = (write_shard_stats(out_dir, shard.index, complete=True, inputs=inputs,
-                                           schedule=schedules(engine)) if parallel.run_rank() == 0 else {})
+                stats = (write_shard_stats(out_dir, shard.index, complete=True, inputs=inputs, schedule=schedules(engine),
+                                           experts=expert_stats(job, engine))
+                         if parallel.run_rank() == 0 else {})
             except BaseException as e:
                 # Stats are recomputed from the committed parts; a failure writing them now (the
                 # disk that stopped the run may still be full) must not hide why the run stopped.
@@ -254,7 +280,8 @@ def run_job(job: Job, engine_factory: EngineFactory, shard: Shard, progress: boo
                 if parallel.run_rank() == 0 and run is not None:
                     with contextlib.suppress(Exception):
                         write_shard_stats(out_dir, shard.index, complete=False, inputs=inputs,
-                                          count=not isinstance(e, Preempted), schedule=schedules(run.engine))
+                                          count=not isinstance(e, Preempted), schedule=schedules(run.engine),
+                                          experts=expert_stats(job, run.engine))
                 tally.end("stopped" if isinstance(e, Preempted) else "failed", run.committed() if run else 0)
                 if isinstance(e, Preempted) and e.together:
                     parallel.barrier()  # no rank exits before rank 0 committed: srun stops a step at its first exit

@@ -95,7 +95,7 @@ def run(rank: int, world: int, port: int, groups: int, target_dir: str, drafter_
                                     [max_new[i] for i in mine], speculation, placement(kind, experts, world),
                                     read if not read else None, [1000 + i for i in mine])
             engine.target.serve_experts()
-            counts = [moe.routed_tokens.tolist() for moe in engine.target.moe_layers()]
+            counts = [moe.routed_tokens.tolist() for moe in engine.target.moe_layers().values()]
             results[name] = dict(rows=dict(zip(mine, rows)), counts=counts, forwarded=engine.forwarded[0])
         results.update(read=read, idle=parallel.idle_forwards, group=group)
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")

@@ -162,7 +162,8 @@ def test_a_run_whose_rows_mostly_failed_raises_after_yielding_them(tmp_path, mod
 
 
 @pytest.mark.parametrize("field, refused", [("tensor_parallel_size", "this process is one of 1 ranks"),
-                                            ("pipeline_parallel_size", "generate runs no pipeline stages")])
+                                            ("pipeline_parallel_size", "generate runs one tensor-parallel group"),
+                                            ("data_parallel_size", "generate runs one tensor-parallel group")])
 def test_a_job_of_several_ranks_is_refused_outside_their_group(tmp_path, model_dir, field, refused):
     """generate builds the engine in this process: it would run the whole model here, ignoring the
     ranks the job asks for; it says so before loading anything or writing a row."""

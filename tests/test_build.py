@@ -11,6 +11,7 @@ import pytest
 
 from dflash_batch.build import resolve_engine
 from dflash_batch.job import JobError, parse_job
+from dflash_batch.models.layers.expert_parallel import Placement, place
 
 CPU, GPU = dict(cuda=False, flashinfer=False, triton=False), dict(cuda=True, flashinfer=True, triton=True)
 GPU_NO_FLASHINFER, GPU_NO_TRITON = dict(GPU, flashinfer=False), dict(GPU, triton=False)
@@ -178,3 +179,49 @@ def test_pipeline_stages_need_a_layer_each_run_uncompiled_and_run_lanes_eagerly_
                                        "runs rounds in lanes, eagerly"):
         resolve_engine(job(checkpoints, pp=2, micro_batches=2, cuda_graphs=True), **GPU)
     assert resolve_engine(job(checkpoints, pp=2, micro_batches=2, backend="torch"), **GPU).backend == "torch"
+
+
+def expert_job(checkpoints, target="kimi", tp=1, **model):
+    doc = job(checkpoints, target, "mla", tp).model_dump(mode="json")
+    doc["model"].update(model)
+    return parse_job(doc)
+
+
+def test_experts_across_ranks_are_placed_or_refused_before_loading(checkpoints, tmp_path):
+    """model.expert_parallel: the default placement over data_parallel_size x tensor_parallel_size
+    ranks; a placement file that matches; refused, naming the field, on a dense target, on experts
+    that do not split over the ranks, and for a placement file made for other ranks or replicas."""
+    (checkpoints / "kimi" / "config.json").write_text(json.dumps(
+        {"architectures": ["KimiK3ForConditionalGeneration"], "text_config": {"num_experts": 8}}))
+    setup = resolve_engine(expert_job(checkpoints, tp=2, data_parallel_size=2, expert_parallel=True), **CPU)
+    assert (setup.expert_placement.ranks, setup.expert_placement.slots) == (4, 2)
+    assert "expert_parallel=4 ranks x 2 slots" in setup.describe()
+    assert resolve_engine(expert_job(checkpoints, tp=2), **CPU).expert_placement is None
+    placement = Placement(8, 2, 1, {1: place(list(range(8)), 2, 1)})
+    (tmp_path / "p.json").write_text(json.dumps(placement.to_json()))
+    placed = resolve_engine(expert_job(checkpoints, data_parallel_size=2, expert_parallel=True, redundant_experts=1,
+                                       expert_placement=str(tmp_path / "p.json")), **CPU)
+    assert placed.expert_placement == placement
+    for target, model, reason in [
+        ("qwen3", dict(data_parallel_size=2, expert_parallel=True), "model.expert_parallel: .* no routed experts"),
+        ("kimi", dict(data_parallel_size=3, expert_parallel=True), "8 routed experts do not split evenly over 3"),
+        ("kimi", dict(data_parallel_size=4, expert_parallel=True, expert_placement=str(tmp_path / "p.json"),
+                      redundant_experts=1), "p.json: it places 8 experts on 2 ranks"),
+        ("kimi", dict(data_parallel_size=2, expert_parallel=True, expert_placement=str(tmp_path / "p.json")),
+         "p.json: .* 1 replica slots each; .* model.redundant_experts 0"),
+        ("kimi", dict(data_parallel_size=2, expert_parallel=True, expert_placement=str(tmp_path / "none.json")),
+         "model.expert_placement: .*none.json"),
+    ]:
+        with pytest.raises(JobError, match=reason):
+            resolve_engine(expert_job(checkpoints, target, **model), **CPU)
+
+
+@pytest.mark.parametrize("model, reason", [
+    (dict(data_parallel_size=2, pipeline_parallel_size=2), "data_parallel_size and model.pipeline_parallel_size"),
+    (dict(redundant_experts=1), "redundant_experts places routed experts on ranks: it needs model.expert_parallel"),
+    (dict(expert_placement="p.json"), "expert_placement places .* needs model.expert_parallel"),
+    (dict(expert_parallel=True, pipeline_parallel_size=2), "expert_parallel does not run under pipeline stages"),
+])
+def test_expert_and_data_parallel_settings_that_do_not_combine_are_refused(checkpoints, model, reason):
+    with pytest.raises(JobError, match=reason):
+        expert_job(checkpoints, **model)

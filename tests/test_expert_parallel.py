@@ -6,14 +6,18 @@ its experts' tensors; the routing counts are the routes of the tokens the group 
 
 from __future__ import annotations
 
+import json
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from dflash_batch.models.layers.expert_parallel import Placement, imbalance, place, rank_loads
 from dflash_batch.testing.kimi_pair import make_kimi_pair
 from tests import expert_parallel_worker as worker
+from tests.test_multinode import CLI, ROOT, assert_rows_equal_tp1, kimi_job, make_cli_kimi_pair, run_tp1, stable_rows
 from tests.test_tp import free_port
 
 RUNS = {"greedy": {}, "sampled": dict(temperature=1.0, top_p=0.95)}
@@ -132,3 +136,58 @@ def test_dp2_tp2_with_experts_across_four_ranks_equals_one_process(pair, tmp_pat
     max_new = [24, 40, 16, 24]
     got = decode(pair, tmp_path, 2, 4, "redundant", max_new, speculation)
     assert_same_rows(got, expected(pair, max_new, speculation), ("tokens", "per_round")[:1 + (speculation is True)])
+
+
+# -- through `dflash-batch run` -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cli_pair(tmp_path_factory) -> tuple[Path, Path]:
+    return make_cli_kimi_pair(tmp_path_factory.mktemp("kimi_ep_cli"))
+
+
+def ep_job(tmp_path: Path, cli_pair, out: str, **model) -> Path:
+    """tests/test_multinode.py's job (greedy and sampled rows, 2 samples, logprobs) with `model` set."""
+    path = kimi_job(tmp_path, cli_pair, out)
+    doc = yaml.safe_load(path.read_text())
+    doc["model"].update(model)
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def rows_of_any_shard(groups: Path, one: Path) -> tuple[list[dict], list[dict]]:
+    """Both runs' rows without their shard (each group commits a shard of its own), having checked
+    that both groups committed rows."""
+    rows = stable_rows(groups)
+    assert {r["shard_index"] for r in rows} == {0, 1}
+    return [[{k: v for k, v in r.items() if k != "shard_index"} for r in rs] for rs in (rows, stable_rows(one))]
+
+
+@pytest.mark.slow
+def test_dp2_with_experts_across_ranks_writes_one_process_rows_and_resumes_as_one_run(cli_pair, tmp_path):
+    """`dflash-batch run` at data_parallel_size 2 with expert_parallel (2 ranks, spawned): the rows of
+    one process, each group committing its own shard; the stats hold each group's routing counts and
+    idle forwards; status sees one complete run of 2 shards; a rerun finds it complete and loads
+    nothing; a placement from the run's counts (`experts place`) gives the same rows again."""
+    run_tp1(ep_job(tmp_path, cli_pair, "one"))
+    run_tp1(ep_job(tmp_path, cli_pair, "dp2", data_parallel_size=2, expert_parallel=True))
+    assert_rows_equal_tp1(*rows_of_any_shard(tmp_path / "dp2", tmp_path / "one"))
+    stats = [json.loads((tmp_path / "dp2" / "stats" / f"shard-{i:05d}.json").read_text()) for i in range(2)]
+    for s in stats:
+        routed = s["experts"]["routed_tokens"]
+        assert routed and all(sum(c) == sum(routed[next(iter(routed))]) for c in routed.values())
+        assert set(s["experts"]["hottest_over_mean"][next(iter(routed))]) == {"default", "this_run", "placed"}
+    assert sum(s["experts"]["idle_forwards"] for s in stats) > 0  # the group that ended first served the other
+    report = subprocess.run([*CLI, "report", str(tmp_path / "dp2")], capture_output=True, text=True, cwd=ROOT)
+    assert report.returncode == 0 and "## Routed experts" in report.stdout, report.stderr
+    assert "| 1 | " in report.stdout.split("## Routed experts")[1], report.stdout
+    done = subprocess.run([*CLI, "status", str(tmp_path / "dp2")], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0 and "2 shard(s)" in done.stdout and "incomplete" not in done.stdout, done.stdout
+    again = subprocess.run([*CLI, "run", str(tmp_path / "dp2.yaml"), "--no-progress"], capture_output=True,
+                           text=True, cwd=ROOT, timeout=600)
+    assert again.returncode == 0 and again.stdout.count("already complete") == 2, again.stdout + again.stderr
+    placed = subprocess.run([*CLI, "experts", "place", str(tmp_path / "dp2"), "-o", str(tmp_path / "p.json"),
+                             "--ranks", "2", "--redundant", "1"], capture_output=True, text=True, cwd=ROOT)
+    assert placed.returncode == 0, placed.stderr
+    run_tp1(ep_job(tmp_path, cli_pair, "placed", data_parallel_size=2, expert_parallel=True, redundant_experts=1,
+                   expert_placement=str(tmp_path / "p.json")))
+    assert_rows_equal_tp1(*rows_of_any_shard(tmp_path / "placed", tmp_path / "one"))

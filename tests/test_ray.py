@@ -150,7 +150,7 @@ def test_committing_needs_row_ids_a_retry_or_ranks_are_refused_and_flowing_on_ne
                                                                   "where": ["error"]}}
     with pytest.raises(JobError, match="retry"):
         DFlashStage(retry, output_dir=tmp_path / "out")
-    for field in ("tensor_parallel_size", "pipeline_parallel_size"):  # one actor holds one rank
+    for field in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):  # one actor, one rank
         ranks = load_job(DEMO).model_dump(mode="json")
         ranks["model"][field] = 2
         with pytest.raises(JobError, match=f"model.{field} > 1 is not supported in a Ray stage"):

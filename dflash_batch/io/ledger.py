@@ -349,14 +349,15 @@ def speculation(speculated: int, ok: int) -> str:
 
 
 def write_shard_stats(out_dir: Path, index: int, complete: bool, inputs: dict | None = None,
-                      count: bool = True, schedule: dict | None = None) -> dict[str, dict]:
+                      count: bool = True, schedule: dict | None = None, experts: dict | None = None) -> dict[str, dict]:
     """Per-bucket totals of the shard's committed parts, whether its run got through all of its
     input (`inputs`: the fingerprint of the files it read), and, once it has, the keys committed
     more than once (`status` reads both): two input rows with one id. A row id always falls in
     the same shard, so a shard's check is the run's. `count` False: the record without the
     totals, which read every part (a preempted task has seconds before SIGKILL). `schedule`: by
     bucket, the speculation schedule this process ran (engine/schedule.py; a resumed shard's is
-    its last run's)."""
+    its last run's). `experts`: this run's routing (its counts, the ranks' loads, the forwards an
+    expert-parallel group served for the others with no rows of its own; runner.expert_stats)."""
     files = part_files(out_dir, index) if count or complete else []
     keys, totals = ["row_id", "sample_index"], {}
 
@@ -369,6 +370,8 @@ def write_shard_stats(out_dir: Path, index: int, complete: bool, inputs: dict | 
     record = {"shard": index, "complete": complete, "inputs": inputs}
     if schedule:
         record["schedule"] = schedule
+    if experts:
+        record["experts"] = experts
     if complete:
         record["duplicate_keys"] = duplicates(parts(), keys, spill_dir=out_dir)
     elif count:

@@ -391,7 +391,8 @@ class KimiK3ForConditionalGeneration(nn.Module):
         self.config = text
         self.hidden_size, self.vocab_size = text["hidden_size"], text["vocab_size"]
         self.num_layers, self.dtype = text["num_hidden_layers"], torch.get_default_dtype()
-        self.experts_sharded = text.get("expert_placement") is not None
+        self.expert_placement = text.get("expert_placement")  # None: routed experts cut across the ranks
+        self.experts_sharded = self.expert_placement is not None
         self.held = held_layers(self.num_layers, lambda: self._sizes(text))
         self.model = KimiLinearModel(text, self.held)
         if self.held.stop == self.num_layers:
@@ -438,15 +439,17 @@ class KimiK3ForConditionalGeneration(nn.Module):
         slot = table.checkpoint_slot(int(parts[5]))
         return None if slot is None else ".".join([*parts[:5], str(slot), *parts[6:]])
 
-    def moe_layers(self) -> list[LatentMoE]:
-        return [layer.block_sparse_moe for layer in self.model.layers if hasattr(layer, "block_sparse_moe")]
+    def moe_layers(self) -> dict[int, LatentMoE]:
+        """This model's MoE layers by layer index."""
+        return {i: layer.block_sparse_moe for i, layer in zip(self.held, self.model.layers)
+                if hasattr(layer, "block_sparse_moe")}
 
     def serve_experts(self) -> None:
         """This group's rows are all done: serve every forward the other data-parallel groups still
         run (each MoE layer's dispatch and combine) until every group is done."""
         if self.experts_sharded:
             while parallel.expert_idle() is not None:
-                for moe in self.moe_layers():
+                for moe in self.moe_layers().values():
                     moe.serve()
 
     def set_taps(self, layer_ids: list[int], stream: str | None = None) -> None:

@@ -20,6 +20,12 @@ def shard_of(row_id: str, count: int) -> int:
     return hash64(row_id) % count
 
 
+def group_shard(shard: Shard, group: int, groups: int) -> Shard:
+    """The shard data-parallel group `group` of `groups` runs for the task's `shard` i/n: shard
+    i * groups + group of n * groups (the run's shards: each group commits its own rows)."""
+    return Shard(shard.index * groups + group, shard.count * groups)
+
+
 def parse_shard(text: str) -> Shard:
     """`i/n` from the command line."""
     try:

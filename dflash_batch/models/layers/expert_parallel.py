@@ -111,6 +111,23 @@ def imbalance(counts: list[int], ranks: list[list[int]]) -> float:
     return max(loads) / mean if mean else 1.0
 
 
+def routing_stats(counts: dict[int, list[int]], ranks: int, redundant: int, used: Placement | None) -> dict:
+    """What a run's stats say of its routing: the routed tokens per (layer, expert), and per layer
+    the hottest rank's load over the mean on `ranks` ranks: under the default placement, under the
+    placement the run used (None: experts cut across ranks, every rank's load the mean), and under
+    the one `place` makes from these counts."""
+    loads = {}
+    for layer, routed in counts.items():
+        if len(routed) % ranks:
+            continue
+        default = place([1] * len(routed), ranks, redundant)
+        loads[str(layer)] = {"default": imbalance(routed, default),
+                             "this_run": None if used is None else imbalance(routed, used.of_layer(layer)),
+                             "placed": imbalance(routed, place(routed, ranks, redundant))}
+    return {"routed_tokens": {str(k): v for k, v in counts.items()}, "ranks": ranks, "redundant": redundant,
+            "hottest_over_mean": loads}
+
+
 class ExpertTable(nn.Module):
     """One MoE layer's routes as this rank sees them: for each expert, the slot holding it here
     (-1: another rank's), which replica this one is and how many there are."""
