@@ -34,9 +34,12 @@ def placement(kind: str, experts: int, ranks: int) -> Placement | None:
 
 def generate(target_dir: str, drafter_dir: str, prompts: list[list[int]], sampling: dict,
              max_new: list[int], speculation: bool | str = True, expert_placement: Placement | None = None,
-             read: list[str] | None = None, seeds: list[int] | None = None) -> tuple[list[dict], Engine]:
-    """Each prompt decoded (seed `seeds[i]`, else 1000 + its index; `max_new[i]` tokens): tokens and
-    accepted drafts a round. `read` collects the checkpoint tensors the target's load read."""
+             read: list[str] | None = None, seeds: list[int] | None = None, poison: bool = False
+             ) -> tuple[list[dict], Engine]:
+    """Each prompt decoded (seed `seeds[i]`, else 1000 + its index; `max_new[i]` tokens): tokens,
+    accepted drafts a round, error type. `read` collects the checkpoint tensors the target's load
+    read; `poison`: the first token of the fifth forward of rows into the first MoE layer is NaN
+    (a row that goes bad where its latent travels to every group)."""
     seeds = seeds or [1000 + i for i in range(len(prompts))]
     opened = loader.safe_open
 
@@ -61,6 +64,15 @@ def generate(target_dir: str, drafter_dir: str, prompts: list[list[int]], sampli
         target = loader.load_model(target_dir, torch.float64, "cpu", expert_placement)
     finally:
         loader.safe_open = opened
+    if poison:
+        moe = next(iter(target.moe_layers().values()))
+        calls, forward = [0], moe.forward
+
+        def poisoned(x: torch.Tensor) -> torch.Tensor:
+            calls[0] += x.shape[0] > 0
+            return forward(x.index_fill(0, torch.tensor([0]), float("nan")) if calls[0] == 5 else x)
+
+        moe.forward = poisoned
     forwarded = [0]  # tokens through the target's forwards
     layers = target.run_layers
     target.run_layers = lambda carry, meta: (forwarded.__setitem__(0, forwarded[0] + carry[0].shape[0]),
@@ -72,14 +84,15 @@ def generate(target_dir: str, drafter_dir: str, prompts: list[list[int]], sampli
     engine = Engine(target, drafter, dtype=torch.float64, device="cpu")
     done = {c.key: c for c in engine.generate(reqs, Bucket(0, "0-1024", 1024, 16, speculation, None))}
     engine.forwarded = forwarded
-    return [dict(tokens=done[r.key].token_ids, per_round=done[r.key].spec and done[r.key].spec.per_round)
-            for r in reqs], engine
+    return [dict(tokens=done[r.key].token_ids, per_round=done[r.key].spec and done[r.key].spec.per_round,
+                 error=done[r.key].error_type) for r in reqs], engine
 
 
 def run(rank: int, world: int, port: int, groups: int, target_dir: str, drafter_dir: str,
         prompts: list[list[int]], max_new: list[int], runs: dict[str, dict], kind: str, out_dir: str,
-        speculation: bool | str) -> None:
-    """Group g decodes prompts g, g + groups, ..; then serves the other groups until all are done."""
+        speculation: bool | str, poison: bool = False) -> None:
+    """Group g decodes prompts g, g + groups, ..; then serves the other groups until all are done.
+    `poison`: group 0's rows as generate's `poison` makes them."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     # A rank left waiting (a group that skipped a forward) fails its collective instead of hanging.
@@ -93,7 +106,7 @@ def run(rank: int, world: int, port: int, groups: int, target_dir: str, drafter_
         for name, sampling in runs.items():
             rows, engine = generate(target_dir, drafter_dir, [prompts[i] for i in mine], sampling,
                                     [max_new[i] for i in mine], speculation, placement(kind, experts, world),
-                                    read if not read else None, [1000 + i for i in mine])
+                                    read if not read else None, [1000 + i for i in mine], poison and group == 0)
             engine.target.serve_experts()
             counts = [moe.routed_tokens.tolist() for moe in engine.target.moe_layers().values()]
             results[name] = dict(rows=dict(zip(mine, rows)), counts=counts, forwarded=engine.forwarded[0])

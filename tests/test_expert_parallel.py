@@ -7,6 +7,7 @@ its experts' tensors; the routing counts are the routes of the tokens the group 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -17,7 +18,9 @@ import yaml
 from dflash_batch.models.layers.expert_parallel import Placement, imbalance, place, rank_loads
 from dflash_batch.testing.kimi_pair import make_kimi_pair
 from tests import expert_parallel_worker as worker
-from tests.test_multinode import CLI, ROOT, assert_rows_equal_tp1, kimi_job, make_cli_kimi_pair, run_tp1, stable_rows
+from tests.jobs_util import read_out
+from tests.test_multinode import (CLI, ROOT, assert_rows_equal_tp1, kill_a_rank_of_node_1_once_rows_commit, kimi_job,
+                                  make_cli_kimi_pair, run_tp1, stable_rows, torchrun_node)
 from tests.test_tp import free_port
 
 RUNS = {"greedy": {}, "sampled": dict(temperature=1.0, top_p=0.95)}
@@ -84,11 +87,12 @@ def expected(pair, max_new: list[int], speculation=True) -> dict:
     return {name: worker.generate(*map(str, pair), PROMPTS, s, max_new, speculation)[0] for name, s in RUNS.items()}
 
 
-def decode(pair, tmp_path, groups: int, ranks: int, kind: str, max_new: list[int], speculation=True) -> list[dict]:
+def decode(pair, tmp_path, groups: int, ranks: int, kind: str, max_new: list[int], speculation=True,
+           poison: bool = False) -> list[dict]:
     import torch.multiprocessing as mp
 
     mp.spawn(worker.run, args=(ranks, free_port(), groups, *map(str, pair), PROMPTS, max_new, RUNS, kind,
-                               str(tmp_path), speculation), nprocs=ranks)
+                               str(tmp_path), speculation, poison), nprocs=ranks)
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(ranks)]
 
 
@@ -130,6 +134,24 @@ def test_a_group_done_30_rounds_early_serves_the_other_to_the_end(pair, tmp_path
 
 @pytest.mark.numerics
 @pytest.mark.no_rerun
+def test_a_row_gone_nan_is_its_own_error_row_and_no_other_groups(pair, tmp_path):
+    """A row of group 0 whose hidden state turns NaN entering a MoE layer (its latent dispatched to
+    every rank): that row alone ends as an error row, as in one process with group 0's rows alone;
+    group 1's rows, which shared every expert with it, are the clean reference's."""
+    max_new = [24] * len(PROMPTS)
+    got = decode(pair, tmp_path, 2, 2, "default", max_new, poison=True)
+    clean = expected(pair, max_new)
+    alone = {name: worker.generate(*map(str, pair), PROMPTS[0::2], s, max_new[0::2], seeds=[1000, 1002],
+                                   poison=True)[0] for name, s in RUNS.items()}
+    for result in got:
+        for name in RUNS:
+            for i, row in result[name]["rows"].items():
+                assert row == (alone[name][i // 2] if i % 2 == 0 else clean[name][i]), (name, i)
+    assert [r["error"] for r in alone["greedy"]] == ["non_finite_logits", None]
+
+
+@pytest.mark.numerics
+@pytest.mark.no_rerun
 @pytest.mark.slow
 @pytest.mark.parametrize("speculation", [True, "auto"])
 def test_dp2_tp2_with_experts_across_four_ranks_equals_one_process(pair, tmp_path, speculation):
@@ -167,7 +189,8 @@ def test_dp2_with_experts_across_ranks_writes_one_process_rows_and_resumes_as_on
     """`dflash-batch run` at data_parallel_size 2 with expert_parallel (2 ranks, spawned): the rows of
     one process, each group committing its own shard; the stats hold each group's routing counts and
     idle forwards; status sees one complete run of 2 shards; a rerun finds it complete and loads
-    nothing; a placement from the run's counts (`experts place`) gives the same rows again."""
+    nothing; with one group's rows gone, a rerun runs them, the finished group serving its experts;
+    a placement from the run's counts (`experts place`) gives the same rows again."""
     run_tp1(ep_job(tmp_path, cli_pair, "one"))
     run_tp1(ep_job(tmp_path, cli_pair, "dp2", data_parallel_size=2, expert_parallel=True))
     assert_rows_equal_tp1(*rows_of_any_shard(tmp_path / "dp2", tmp_path / "one"))
@@ -185,9 +208,42 @@ def test_dp2_with_experts_across_ranks_writes_one_process_rows_and_resumes_as_on
     again = subprocess.run([*CLI, "run", str(tmp_path / "dp2.yaml"), "--no-progress"], capture_output=True,
                            text=True, cwd=ROOT, timeout=600)
     assert again.returncode == 0 and again.stdout.count("already complete") == 2, again.stdout + again.stderr
+    shutil.rmtree(tmp_path / "dp2" / "data" / "shard-00001")  # group 1's rows lost: group 0 has none to run
+    (tmp_path / "dp2" / "stats" / "shard-00001.json").unlink()
+    run_tp1(tmp_path / "dp2.yaml")
+    assert_rows_equal_tp1(*rows_of_any_shard(tmp_path / "dp2", tmp_path / "one"))
     placed = subprocess.run([*CLI, "experts", "place", str(tmp_path / "dp2"), "-o", str(tmp_path / "p.json"),
                              "--ranks", "2", "--redundant", "1"], capture_output=True, text=True, cwd=ROOT)
     assert placed.returncode == 0, placed.stderr
     run_tp1(ep_job(tmp_path, cli_pair, "placed", data_parallel_size=2, expert_parallel=True, redundant_experts=1,
                    expert_placement=str(tmp_path / "p.json")))
     assert_rows_equal_tp1(*rows_of_any_shard(tmp_path / "placed", tmp_path / "one"))
+
+
+@pytest.mark.slow
+def test_a_group_killed_stops_every_rank_within_a_minute_and_resume_commits_each_row_once(cli_pair, tmp_path):
+    """Two data-parallel groups with the experts across both, a node each (torchrun), group 1's rank
+    killed outright once rows are committed: both launches exit non-zero within 60 s, group 0's rank
+    naming itself; a resumed run (one launch) ends with one process's rows, each committed once."""
+    def job(where: Path, **model) -> Path:
+        path = kimi_job(where, cli_pair, "out", rows=16, max_new_tokens=32, rows_per_part=1)
+        doc = yaml.safe_load(path.read_text())
+        doc["model"].update(model)
+        path.write_text(yaml.safe_dump(doc))
+        return path
+
+    groups = job(tmp_path, data_parallel_size=2, expert_parallel=True)
+    port = free_port()
+    nodes = [torchrun_node(n, port, groups, per_node=1, start_new_session=True) for n in (0, 1)]
+    logs, seconds = kill_a_rank_of_node_1_once_rows_commit(nodes, tmp_path / "out")
+    assert seconds < 60
+    assert "the run lost a rank" in logs[0] and "error: rank 0 of 2 (data-parallel group 0 of 2) on" in logs[0], \
+        logs[0][-3000:]
+    assert 0 < len(read_out(tmp_path / "out")) < 32
+    run_tp1(groups)  # the resume: `dflash-batch run` starts both groups' ranks itself
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    run_tp1(job(whole))
+    assert_rows_equal_tp1(*rows_of_any_shard(tmp_path / "out", whole / "out"))
+    keys = [(r["row_id"], r["sample_index"]) for r in read_out(tmp_path / "out")]
+    assert len(keys) == len(set(keys)) == 32
