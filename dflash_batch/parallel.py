@@ -45,6 +45,7 @@ import torch.distributed as dist
 _planned: int | None = None  # a world size models are built for without a group (sizing.py)
 _tally: Counter | None = None  # collectives' payloads by kind while tallied() (plan/work.py)
 _planned_stage = (0, 1)  # the stage planned() builds models for
+_planned_groups = 1  # the data-parallel groups planned() builds models for
 
 
 @dataclass(frozen=True)
@@ -140,10 +141,10 @@ def leave_data_parallel() -> None:
 
 
 def data_parallel() -> tuple[int, int]:
-    """(this rank's data-parallel group, groups): (0, 1) without them, and while planning."""
-    if _planned is not None or _data is None:
-        return (0, 1)
-    return (_data.index, _data.count)
+    """(this rank's data-parallel group, groups): (0, 1) without them; group 0 of those planned."""
+    if _planned is not None:
+        return (0, _planned_groups)
+    return (_data.index, _data.count) if _data is not None else (0, 1)
 
 
 def form_stages(count: int) -> None:
@@ -231,17 +232,19 @@ def _peer(index: int) -> int:
 
 
 @contextmanager
-def planned(size: int, at_stage: tuple[int, int] = (0, 1)) -> Iterator[None]:
+def planned(size: int, at_stage: tuple[int, int] = (0, 1), groups: int = 1) -> Iterator[None]:
     """Build and run models as rank 0 of `size` ranks would, without a process group, on stage
-    `at_stage` (index, stages): for planning a job on the meta device (collectives give their
-    results' shapes, nothing more)."""
-    global _planned, _planned_stage
+    `at_stage` (index, stages), in data-parallel group 0 of `groups`: for planning a job on the meta
+    device (collectives give their results' shapes, nothing more; every group is taken to run as
+    many rows as group 0)."""
+    global _planned, _planned_stage, _planned_groups
     previous, _planned = _planned, size
     previous_stage, _planned_stage = _planned_stage, at_stage
+    previous_groups, _planned_groups = _planned_groups, groups
     try:
         yield
     finally:
-        _planned, _planned_stage = previous, previous_stage
+        _planned, _planned_stage, _planned_groups = previous, previous_stage, previous_groups
 
 
 @contextmanager
@@ -492,37 +495,72 @@ def expert_idle() -> int | None:
     return _step_rows
 
 
-def dispatch(x: torch.Tensor) -> torch.Tensor:
-    """This group's rows [T, ...] padded to the step's rows P -> every group's [groups * P, ...],
-    group by group (from rank r of each: the same rows on every rank of a group)."""
-    groups = data_parallel()[1]
-    if groups == 1:
-        return x
-    _add("dispatch", x)
-    padded = x.new_zeros((_step_rows, *x.shape[1:]))
-    padded[:x.shape[0]] = x
-    out = x.new_empty((groups * _step_rows, *x.shape[1:]))
-    if _planned is None:
-        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, padded, group=_data.peers)
+def _gather_single(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """out [n, *x.shape] = every rank's x, in the group's rank order."""
+    # all_gather_single is all_gather_into_tensor's newer name (torch 2.13 warns on the old one).
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out.flatten(0, 1), x.contiguous(),
+                                                                             group=group)
+
+
+def _reduce_scatter_first(x: torch.Tensor, index: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """x [n, ...] partial sums on each of the group's n ranks -> the sum of x[index], this rank's
+    (`index`: its place in the group)."""
+    if dist.get_backend(group) != "nccl":  # gloo's reduce-scatter is an all-reduce inside (reduce_scatter_dim1)
+        dist.all_reduce(x, group=group)
+        return x[index]
+    out = torch.empty(x.shape[1:], dtype=x.dtype, device=x.device)
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, x.contiguous(), group=group)
     return out
 
 
-def combine(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """Partial sums [groups * P, ...] for every group's rows -> this group's first `rows`, summed
-    over the peers (the inverse of dispatch)."""
-    groups = data_parallel()[1]
+def dispatch(x: torch.Tensor) -> torch.Tensor:
+    """This group's rows [T, ...] (the same on each of its ranks) -> every group's, [groups * P, ...]
+    group by group, P the step's rows rounded up to a multiple of the group's ranks. Each rank
+    sends its 1/ranks share of the rows to its peers in the other groups (one copy per remote
+    node, over the NIC), then the group's ranks gather the shares (NVLink)."""
+    groups, size = data_parallel()[1], world_size()
     if groups == 1:
         return x
-    _add("combine", x)
-    chunks = x.unflatten(0, (groups, -1)).contiguous()
-    if _planned is not None:
-        return chunks[0, :rows]
-    if dist.get_backend(_data.peers) != "nccl":  # gloo has no reduce-scatter of its own (reduce_scatter_dim1)
-        dist.all_reduce(chunks, group=_data.peers)
-        return chunks[_data.index, :rows]
-    out = x.new_empty(chunks.shape[1:])
-    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, x.contiguous(), group=_data.peers)
-    return out[:rows]
+    share = -(-_step_rows // size)
+    padded = x.new_zeros((share * size, *x.shape[1:]))
+    padded[:x.shape[0]] = x
+    mine = padded[rank() * share:(rank() + 1) * share]
+    _add("dispatch", mine)
+    across = x.new_empty((groups, share, *x.shape[1:]))
+    if _planned is None:
+        _gather_single(across, mine, _data.peers)
+    if size == 1:
+        return across.flatten(0, 1)
+    _add("all_gather", across)
+    whole = x.new_empty((size, groups, share, *x.shape[1:]))
+    if _planned is None:
+        _gather_single(whole, across, _group())
+    return whole.movedim(0, 1).flatten(0, 2)  # [groups, ranks' shares, ...]
+
+
+def combine(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """This rank's partial sums [groups * P, ...] for every group's rows -> the sums over every rank
+    of every group for this group's first `rows` (on each of its ranks): the inverse of dispatch,
+    a reduce-scatter inside the group (NVLink), one across the groups (the NIC), then the group's
+    ranks gather their shares. Without data-parallel groups: the group's all-reduce."""
+    groups, size = data_parallel()[1], world_size()
+    if groups == 1:
+        return all_reduce(x)
+    shares = x.unflatten(0, (groups, size, -1)).movedim(1, 0).contiguous()  # [ranks, groups, share, ...]
+    if size > 1:
+        _add("reduce_scatter", shares)
+        shares = shares[0] if _planned is not None else _reduce_scatter_first(shares, rank(), _group())
+    else:
+        shares = shares[0]
+    _add("combine", shares)
+    mine = shares[0] if _planned is not None else _reduce_scatter_first(shares.contiguous(), _data.index, _data.peers)
+    if size == 1:
+        return mine[:rows]
+    _add("all_gather", mine)
+    whole = x.new_empty((size, *mine.shape))
+    if _planned is None:
+        _gather_single(whole, mine, _group())
+    return whole.flatten(0, 1)[:rows]
 
 
 def local_gpu(env: dict[str, str], gpus: int) -> int:

@@ -122,13 +122,13 @@ class LatentMoE(nn.Module):
         self.routed_tokens.index_add_(0, ids.flatten(), self.routed_tokens.new_ones(()).expand(ids.numel()))
         routed = self.routed(self.routed_expert_down_proj(x), ids, weights)
         # The norm must see the sum over every rank's expert shards.
-        out = self.routed_expert_up_proj(self.routed_expert_norm(parallel.all_reduce(routed)))
+        out = self.routed_expert_up_proj(self.routed_expert_norm(routed))
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
     def routed(self, latent: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """The routed experts' sum for these rows: this rank's part of it (reduced by the caller)."""
+        """The routed experts' sum for these rows, over every rank's experts (or expert slices)."""
         if self.table is None:
-            return self.experts(latent, ids, weights)
+            return parallel.all_reduce(self.experts(latent, ids, weights))
         return sharded_experts(self.experts, self.table, latent, ids, weights)
 
     def serve(self) -> None:

@@ -160,10 +160,16 @@ class ExpertTable(nn.Module):
 
 def sharded_experts(experts: nn.Module, table: ExpertTable, latent: torch.Tensor, ids: torch.Tensor,
                     weights: torch.Tensor) -> torch.Tensor:
-    """This group's rows' routed sum [T, width] over this rank's slots (summed over every rank by
-    combine across groups, then the caller's all-reduce inside the group): the latent rows and
-    their routes dispatched to every group, each rank's slots applied to all of them."""
+    """This group's rows' routed sum [T, width] over every rank's experts: the latent rows and their
+    routes dispatched to every group, this rank's slots applied to all of them, the partial sums
+    combined back (parallel.dispatch, combine)."""
     rows = latent.shape[0]
     x, every_id, every_weight = parallel.dispatch(latent), parallel.dispatch(ids), parallel.dispatch(weights)
     slot, weight = table.routes(every_id, every_weight)
-    return parallel.combine(experts(x, slot, weight), rows)
+    if x.is_meta:  # the plan (no routing to read): this rank's even share of the routes, zeros for the rest
+        share = -(-x.shape[0] // parallel.expert_rank()[1])
+        out = torch.cat([experts(x[:share], slot[:share], weight[:share]), x.new_zeros(x.shape[0] - share,
+                                                                                         x.shape[1])])
+    else:
+        out = experts(x, slot, weight)
+    return parallel.combine(out, rows)
