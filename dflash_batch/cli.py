@@ -402,8 +402,13 @@ def validate(job_file: str, no_inputs: bool) -> None:
               "(dflash-batch report's alpha) instead of --acc-len.")
 @click.option("--roofline/--no-roofline", default=True, show_default=True,
               help="With a named GPU, each bucket's floors a round by drafts verified, and the layouts.")
+@click.option("--routing", "routing_dir", type=click.Path(file_okay=False, exists=True),
+              help="A finished run's output directory: the expert-parallel layout's hottest rank over the mean "
+              "from its routing counts, placed as `dflash-batch experts place` would (the mean over layers), "
+              "instead of the assumed 1.11 (TRT-LLM's DeepSeek-R1 at EP32 after EPLB).")
 def plan_command(job_file: str, gpu_memory: str | None, gpus_per_node: int | None, tensor_parallel: int | None,
-                 reserve_gb: float | None, acc_len: float, acceptance_dir: str | None, roofline: bool) -> None:
+                 reserve_gb: float | None, acc_len: float, acceptance_dir: str | None, roofline: bool,
+                 routing_dir: str | None) -> None:
     """Memory per rank of JOB_FILE on a GPU, from its checkpoints' config.json alone (models built
     on the meta device): weights, each bucket's caches and activations in the layout the job runs
     (the MLA latents split where run and validate split them), its max_num_seqs beside the largest
@@ -457,9 +462,14 @@ def plan_command(job_file: str, gpu_memory: str | None, gpus_per_node: int | Non
                        f"are in the plan of this job with tensor_parallel_size {tp * stages} and "
                        "pipeline_parallel_size 1 (its 'layouts at k' lines)")
         elif hw is not None and plan.fits:
+            from dflash_batch.throughput import ASSUMED_IMBALANCE
             from dflash_batch.throughput import roofline as roofline_tables
 
-            click.echo(roofline_tables(plan, job, job_dir, hw, alpha, per_domain))
+            imbalance = ASSUMED_IMBALANCE if routing_dir is None else _measured_imbalance(routing_dir, plan.tp * stages
+                                                                                        * job.model.data_parallel_size)
+            click.echo(roofline_tables(plan, job, job_dir, hw, alpha, per_domain, imbalance))
+            click.echo(f"expert-parallel layouts: the hottest rank's routed tokens {imbalance:.2f}x the mean "
+                       + ("(assumed; --routing RUN_DIR measures it)" if routing_dir is None else f"(from {routing_dir})"))
         elif hw is not None:
             click.echo("roofline: none, the job does not fit")
         elif roofline:
@@ -472,6 +482,15 @@ def plan_command(job_file: str, gpu_memory: str | None, gpus_per_node: int | Non
                    err=True)
         sys.exit(1)
     click.echo(f"{job_file}: fits{layout}")
+
+
+def _measured_imbalance(run_dir: str, ranks: int) -> float:
+    """The hottest expert rank over the mean, averaged over layers, for a run's routing counts placed
+    over `ranks` ranks as `experts place` places them."""
+    from dflash_batch.plan.experts import placement_of_run
+
+    _, rows = placement_of_run(Path(run_dir), ranks, 0)
+    return sum(r[3] for r in rows) / len(rows)
 
 
 def _acceptance(out_dir: str | None, acc_len: float, drafts: int) -> list[float]:

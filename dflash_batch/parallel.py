@@ -78,6 +78,7 @@ class _DataGroups:
 
 
 _data: _DataGroups | None = None
+_work_fraction = 1.0  # the share of the work running now that is this rank's (work_share)
 _step_rows = 0  # the rows every group's dispatch carries in the current forward (expert_step)
 idle_forwards = 0  # forwards this rank served for other groups after its own rows were done
 
@@ -248,6 +249,24 @@ def planned(size: int, at_stage: tuple[int, int] = (0, 1), groups: int = 1) -> I
 
 
 @contextmanager
+def work_share(fraction: float) -> Iterator[None]:
+    """While planning: the work run inside is what all ranks do together, a rank's share of it
+    `fraction` (whole experts serving every group's routes, each rank its 1/ranks on average): the
+    plan counts that share (plan/work.py)."""
+    global _work_fraction
+    previous, _work_fraction = _work_fraction, fraction
+    try:
+        yield
+    finally:
+        _work_fraction = previous
+
+
+def work_fraction() -> float:
+    """The share of the work now running that the plan counts for this rank (work_share)."""
+    return _work_fraction
+
+
+@contextmanager
 def tallied() -> Iterator[Counter]:
     """Count the payload bytes this rank hands each kind of collective a model or round runs inside
     ("all_reduce", "all_gather", "reduce_scatter": the tensor it passes in)."""
@@ -264,9 +283,10 @@ def tally() -> Counter | None:
     return _tally
 
 
-def _add(kind: str, x: torch.Tensor) -> None:
+def _add(kind: str, x: torch.Tensor, share: float = 1) -> None:
+    """Tally `share` of x's bytes as what this rank hands a collective of `kind`."""
     if _tally is not None:
-        _tally[kind] += x.numel() * x.element_size()
+        _tally[kind] += x.numel() * x.element_size() * share
 
 
 def rank() -> int:
@@ -517,24 +537,25 @@ def dispatch(x: torch.Tensor) -> torch.Tensor:
     """This group's rows [T, ...] (the same on each of its ranks) -> every group's, [groups * P, ...]
     group by group, P the step's rows rounded up to a multiple of the group's ranks. Each rank
     sends its 1/ranks share of the rows to its peers in the other groups (one copy per remote
-    node, over the NIC), then the group's ranks gather the shares (NVLink)."""
+    node, over the NIC), then the group's ranks gather the shares (NVLink). Planned: every group's
+    T rows unpadded, the payloads tallied as their shares."""
     groups, size = data_parallel()[1], world_size()
     if groups == 1:
         return x
+    if _planned is not None:
+        _add("dispatch", x, 1 / size)
+        if size > 1:
+            _add("all_gather", x, groups / size)
+        return x.new_empty((groups * x.shape[0], *x.shape[1:]))
     share = -(-_step_rows // size)
     padded = x.new_zeros((share * size, *x.shape[1:]))
     padded[:x.shape[0]] = x
-    mine = padded[rank() * share:(rank() + 1) * share]
-    _add("dispatch", mine)
     across = x.new_empty((groups, share, *x.shape[1:]))
-    if _planned is None:
-        _gather_single(across, mine, _data.peers)
+    _gather_single(across, padded[rank() * share:(rank() + 1) * share], _data.peers)
     if size == 1:
         return across.flatten(0, 1)
-    _add("all_gather", across)
     whole = x.new_empty((size, groups, share, *x.shape[1:]))
-    if _planned is None:
-        _gather_single(whole, across, _group())
+    _gather_single(whole, across, _group())
     return whole.movedim(0, 1).flatten(0, 2)  # [groups, ranks' shares, ...]
 
 
@@ -546,20 +567,19 @@ def combine(x: torch.Tensor, rows: int) -> torch.Tensor:
     groups, size = data_parallel()[1], world_size()
     if groups == 1:
         return all_reduce(x)
+    if _planned is not None:
+        if size > 1:
+            _add("reduce_scatter", x)
+            _add("all_gather", x, 1 / (groups * size))
+        _add("combine", x, 1 / size)
+        return x[:rows]
     shares = x.unflatten(0, (groups, size, -1)).movedim(1, 0).contiguous()  # [ranks, groups, share, ...]
-    if size > 1:
-        _add("reduce_scatter", shares)
-        shares = shares[0] if _planned is not None else _reduce_scatter_first(shares, rank(), _group())
-    else:
-        shares = shares[0]
-    _add("combine", shares)
-    mine = shares[0] if _planned is not None else _reduce_scatter_first(shares.contiguous(), _data.index, _data.peers)
+    shares = _reduce_scatter_first(shares, rank(), _group()) if size > 1 else shares[0]
+    mine = _reduce_scatter_first(shares.contiguous(), _data.index, _data.peers)
     if size == 1:
         return mine[:rows]
-    _add("all_gather", mine)
     whole = x.new_empty((size, *mine.shape))
-    if _planned is None:
-        _gather_single(whole, mine, _group())
+    _gather_single(whole, mine, _group())
     return whole.flatten(0, 1)[:rows]
 
 

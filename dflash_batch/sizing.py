@@ -38,7 +38,8 @@ from dflash_batch.engine.pair import attach_drafter
 from dflash_batch.grammar import asks_for_grammar
 from dflash_batch.job import Job, JobError, gpu_bytes
 from dflash_batch.models import activations
-from dflash_batch.models.loader import build_model
+from dflash_batch.models.layers.expert_parallel import Placement
+from dflash_batch.models.loader import build_model, load_config
 from dflash_batch.plan.buckets import Bucket, plan_buckets
 from dflash_batch.plan.roofline import memory_read
 from dflash_batch.plan.work import Work, round_work
@@ -245,10 +246,14 @@ class Sizer:
     """The job's models on the meta device at one tensor-parallel size, and an engine over them."""
 
     def __init__(self, job: Job, job_dir: Path, tp: int, setup: EngineSetup | None, latent_split: bool = False,
-                 at_stage: tuple[int, int] = (0, 1)):
+                 at_stage: tuple[int, int] = (0, 1), groups: int | None = None, expert_parallel: bool | None = None):
         """`latent_split`: size the MLA latents split across the ranks by token (engine.context_parallel);
-        `at_stage`: (index, stages): a rank of that pipeline stage (its layers, models/stages.py)."""
+        `at_stage`: (index, stages): a rank of that pipeline stage (its layers, models/stages.py);
+        `groups`, `expert_parallel`: a rank of data-parallel groups of `tp` ranks, the routed experts
+        sharded whole over all of them (default: the job's model.data_parallel_size, expert_parallel)."""
         self.job, self.tp, self.split, self.at_stage = job, tp, tp if latent_split else 1, at_stage
+        self.groups = job.model.data_parallel_size if groups is None else groups
+        self.expert_parallel = job.model.expert_parallel if expert_parallel is None else expert_parallel
         self.notes: list[str] = []
         paths = {}
         for role in ("target", "drafter"):
@@ -265,8 +270,12 @@ class Sizer:
                           + self.setup.describe().removeprefix("engine: "))
         dtype = DTYPES[job.model.dtype]
         self.dtype_bytes = torch.empty(0, dtype=dtype).element_size()
-        with parallel.planned(tp, self.at_stage):
-            self.target = _build(paths["target"], dtype)
+        placement = None
+        if self.expert_parallel:  # which experts a rank holds changes nothing of its size: the default
+            experts = load_config(paths["target"]).get("text_config", {}).get("num_experts", 0)
+            placement = Placement(experts, self.groups * tp, job.model.redundant_experts, {})
+        with self.planned():
+            self.target = _build(paths["target"], dtype, placement)
             self.drafter = _build(paths["drafter"], dtype) if "drafter" in paths else None
             if self.drafter is not None:
                 attach_drafter(self.target, self.drafter)
@@ -275,10 +284,14 @@ class Sizer:
                              attention=_Planned(self.setup.backend, self.split),
                              capture_sizes=self.setup.capture_sizes, share_prompts=job.engine.share_prompts,
                              shared_head_tokens=job.engine.shared_head_tokens)
-        with parallel.planned(tp, self.at_stage):
+        with self.planned():
             torch_kernels = self.setup.kernels == "torch"
             self.widths = {m: activations.widths(m, self.dtype_bytes, torch_kernels)
                            for m in (self.target, self.drafter) if m}
+
+    def planned(self):
+        """parallel.planned for a rank of this layout."""
+        return parallel.planned(self.tp, self.at_stage, self.groups)
 
     def can_split(self) -> bool:
         """Whether the pair's MLA latents split across this size's ranks (build.py's rules)."""
@@ -319,7 +332,7 @@ class Sizer:
         the torch backend with this layout's latent split (plan/work.py; rounds of n rows do n times
         this: tests/test_work.py)."""
         one = dataclasses.replace(bucket, max_num_seqs=1)
-        with parallel.planned(self.tp, self.at_stage):
+        with self.planned():
             batch = self.engine.allocate(one)
             self._grow(batch)
             step = self.engine.rounds[batch.block]
@@ -338,10 +351,12 @@ class Sizer:
         routed = weights.get(ROUTED, 0)
         experts = (self.config.get("num_experts", 0), self.config.get("num_experts_per_token", 0)) if routed else (0, 0)
         caches = self.need(dataclasses.replace(bucket, max_num_seqs=seqs)).caches
-        return memory_read(tokens, sum(weights.values()) - routed, routed, caches, *experts)
+        # Whole experts serve every group's tokens (dispatch): those touch this rank's experts.
+        routing = tokens * self.groups if self.expert_parallel else tokens
+        return memory_read(routing, sum(weights.values()) - routed, routed, caches, *experts)
 
     def need(self, bucket: Bucket) -> BucketNeed:
-        with parallel.planned(self.tp, self.at_stage):
+        with self.planned():
             batch = self.engine.allocate(bucket)  # its caches hold the shared heads' pool (engine/heads.py)
             self._grow(batch)
             block, keys = batch.block, bucket.max_tokens + batch.block
@@ -394,7 +409,7 @@ class Sizer:
         """A split MLA layer's gathered heads and merge (none without a split)."""
         if self.split == 1:
             return 0
-        with parallel.planned(self.tp, self.at_stage):
+        with self.planned():
             return activations.latent_split_bytes(model, self.dtype_bytes, tokens)
 
     def _round(self, rows: int, block: int, keys: int) -> int:
@@ -428,9 +443,9 @@ class _Planned:
         return latent or self.name == "torch"
 
 
-def _build(path: str, dtype: torch.dtype) -> torch.nn.Module:
+def _build(path: str, dtype: torch.dtype, expert_placement: Placement | None = None) -> torch.nn.Module:
     try:
-        return build_model(path, dtype, "meta")
+        return build_model(path, dtype, "meta", expert_placement)
     except ValueError as e:  # a width that does not split over the ranks
         raise JobError(f"{path}: {e}") from None
 
@@ -482,15 +497,21 @@ def _stage_plan(job: Job, job_dir: Path, gpu: int, tp: int, reserve: int | None,
     base, buckets = held_besides_buckets(weights, fixed), plan_buckets(job)
 
     def layout(s: Sizer) -> Layout:
-        largest = [_largest(lambda n, b=b: fits(base, s.need(dataclasses.replace(b, max_num_seqs=n)), gpu))
-                   for b in buckets]
-        return Layout(s.split, [s.need(b) for b in buckets], largest, s)
+        return Layout(s.split, [s.need(b) for b in buckets], [largest_fitting(base, s, b, gpu) for b in buckets], s)
 
     split = None
     if with_split and sizer.can_split():
         split = layout(Sizer(job, job_dir, tp, sizer.setup, latent_split=True, at_stage=at_stage))
-    return Plan(tp, gpu, weights, fixed, layout(sizer), sizer.notes, split, job.engine.context_parallel,
+    notes = sizer.notes + ([f"a rank of data-parallel group 0 of {sizer.groups}, TP{tp} inside each"
+                            + (f", the routed experts whole over all {sizer.groups * tp} ranks" if sizer.expert_parallel
+                               else "")] if sizer.groups > 1 or sizer.expert_parallel else [])
+    return Plan(tp, gpu, weights, fixed, layout(sizer), notes, split, job.engine.context_parallel,
                 job.engine.gpu_memory is not None, at_stage)
+
+
+def largest_fitting(base: int, sizer: Sizer, bucket: Bucket, gpu: int) -> int:
+    """The most sequences of `bucket` a rank of `sizer`'s layout holds beside `base` (0: none)."""
+    return _largest(lambda n: fits(base, sizer.need(dataclasses.replace(bucket, max_num_seqs=n)), gpu))
 
 
 def _largest(fits, limit: int = 1 << 14) -> int:

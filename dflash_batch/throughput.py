@@ -10,7 +10,12 @@ inside each: each stage's part of the round counted on its own layers (models/st
 NIC carrying what it hands on (the rows' hidden states, Kimi-K3's attention-residual blocks and
 the drafter's taps so far) and the last stage's results back; with one micro-batch (the stages
 taking turns) and with as many micro-batches as stages (engine.micro_batches: groups of a
-captured round, or interleaved lanes), the sequences assumed to fit as they do in the group.
+captured round, or interleaved lanes), the sequences assumed to fit as they do in the group; one
+tensor-parallel group over all the job's GPUs where the job runs data-parallel groups; and
+data-parallel groups a domain each with the routed experts whole over every GPU (DP x TP + EP:
+each group's own rows, the dispatch's NIC bytes, a rank's routed FLOPs its share of every group's
+routes times the hottest rank's imbalance), at the most sequences a group holds. Each row beside
+the one run names a GPU's weights, caches and buffers.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from dflash_batch.plan.buckets import Bucket
 from dflash_batch.plan.hardware import Hardware
 from dflash_batch.plan.roofline import Floors, expected_tokens, floors, tokens_per_gpu
 from dflash_batch.plan.work import Work
-from dflash_batch.sizing import Layout, Plan, Sizer
+from dflash_batch.sizing import GB, Layout, Plan, Sizer, held_besides_buckets, largest_fitting
 
 BOUND = ("floors a round, a rank's (ms): memory = bytes read / HBM peak, compute = FLOPs / dense peak, "
          "network = the longer of NVLink's and the NIC's collective bytes / bandwidth (ring algorithms: NCCL's "
@@ -49,6 +54,10 @@ class RoundAt:
                 f"{1e3 * f.nic:>6.1f}  {f.binding:<8} {self.per_gpu:>10,.0f}")
 
 
+ROUTED_FLOPS = "target routed experts"  # plan/work.py's component of the routed experts' FLOPs
+# The hottest expert rank's tokens over the mean where no run's counts say: TRT-LLM's DeepSeek-R1 at
+# EP32 after EPLB (../shared/reference/expert_parallel.md section 4: (max - mean) / mean 1.56 -> 0.11).
+ASSUMED_IMBALANCE = 1.11
 BETWEEN_STAGES = ("hand_off", "from_last_stage")  # parallel.py's traffic between pipeline stages: the NIC's
 COLUMNS = f"{'tokens':>7} {'memory':>8} {'compute':>8} {'NVLink':>7} {'NIC':>6}  {'binds':<8} {'tok/s/GPU':>10}"
 
@@ -57,11 +66,14 @@ class Roofline:
     """The plan's roofline on `hw`, sequences accepting drafts as `alpha` says (alpha_1..), a
     group `per_domain` GPUs to an NVLink domain."""
 
-    def __init__(self, plan: Plan, job: Job, job_dir: Path, hw: Hardware, alpha: list[float], per_domain: int):
+    def __init__(self, plan: Plan, job: Job, job_dir: Path, hw: Hardware, alpha: list[float], per_domain: int,
+                 imbalance: float = ASSUMED_IMBALANCE):
         self.plan, self.job, self.job_dir, self.hw, self.alpha = plan, job, job_dir, hw, alpha
-        self.per_domain, self.dtype = per_domain, job.model.dtype
+        self.per_domain, self.dtype, self.imbalance = per_domain, job.model.dtype, imbalance
         self.works: dict[tuple[int, int, int], Work] = {}  # (sizer id, bucket index, width) -> one row's
         self.stage_sizers: list[Sizer] | None = None  # each pipeline stage's models at its TP size (staged)
+        self.others: dict[str, Layout] = {}  # the layouts the job does not run, sized on the job's GPUs
+        self.gpus = plan.tp * plan.runs.sizer.groups  # the GPUs of one of the job's tasks
         hw.peak(self.dtype)  # a GPU without a figure for the dtype: refused before any counting
 
     def _work(self, sizer: Sizer, i: int, bucket: Bucket, width: int) -> Work:
@@ -74,10 +86,14 @@ class Roofline:
     def on(self, layout: Layout, i: int, seqs: int, k: int) -> RoundAt:
         """Bucket i's round of `seqs` sequences verifying k drafts on the job's tensor-parallel group
         in `layout` (the rows a round pads to, its capture size, work as sequences do)."""
-        bucket, sizer, tp = layout.needs[i].bucket, layout.sizer, self.plan.tp
+        bucket, sizer, tp = layout.needs[i].bucket, layout.sizer, layout.sizer.tp
         rows, width = sizer.engine.padded(seqs), k + 1
         work = self._work(sizer, i, bucket, width).times(rows)
-        at = floors(sizer.read(bucket, seqs, rows * width), work, self.hw, self.dtype, tp, self.per_domain)
+        if sizer.expert_parallel:  # the hottest rank's experts bound the round
+            work = Work({c: f * (self.imbalance if c == ROUTED_FLOPS else 1) for c, f in work.flops.items()},
+                        work.collectives)
+        at = floors(sizer.read(bucket, seqs, rows * width), work, self.hw, self.dtype, tp, self.per_domain,
+                    sizer.groups)
         tokens = expected_tokens(self.alpha, k)
         return RoundAt(seqs, k, tokens, at, tokens_per_gpu(seqs, tokens, at, tp))
 
@@ -94,7 +110,7 @@ class Roofline:
         decides once every group is through: 2 x stages - 1 of the busiest stage's turns), while
         uncaptured rounds run in as many lanes whose rounds interleave (engine/lanes.py: a round
         of every lane is `stages` turns). The drafter is counted in the last stage's share."""
-        tp, g = self.plan.tp, self.per_domain
+        tp, g = self.gpus, self.per_domain
         if tp <= g or tp % g:
             return []
         stages = tp // g
@@ -133,8 +149,8 @@ class Roofline:
             runs, g = self.plan.runs, self.per_domain
 
             def sized(split: bool) -> list[Sizer]:
-                return [Sizer(self.job, self.job_dir, g, runs.sizer.setup, latent_split=split, at_stage=(s, stages))
-                        for s in range(stages)]
+                return [Sizer(self.job, self.job_dir, g, runs.sizer.setup, latent_split=split, at_stage=(s, stages),
+                              groups=1, expert_parallel=False) for s in range(stages)]
 
             self.stage_sizers = sized(runs.ways > 1)
             if runs.ways > 1 and not self.stage_sizers[0].can_split():  # the domain's ranks cannot split them
@@ -171,15 +187,61 @@ class Roofline:
         other tensor-parallel one at the largest batch it holds."""
         plan = self.plan
         seqs = plan.runs.needs[i].bucket.max_num_seqs
-        rows = [(f"TP{plan.tp}, {plan.runs.name} (as run)", self.on(plan.runs, i, seqs, k))]
+        sizer = plan.runs.sizer
+        name = (f"DP{sizer.groups} x TP{plan.tp} + EP{self.gpus}" if sizer.expert_parallel
+                else f"DP{sizer.groups} x TP{plan.tp}" if sizer.groups > 1 else f"TP{plan.tp}")
+        rows: list[tuple[str, RoundAt | None]] = [
+            (f"{name}, {plan.runs.name} (as run; {self.memory(sizer, i, seqs)})", self.on(plan.runs, i, seqs, k))]
         other = plan.other
         if other is not None and other.largest[i]:
             rows.append((f"TP{plan.tp}, {other.name}", self.on(other, i, other.largest[i], k)))
+        if plan.runs.sizer.groups > 1 or plan.runs.sizer.expert_parallel:
+            rows += self._other(i, k, f"TP{self.gpus}", self.gpus, 1, False)
         rows += self.staged(i, seqs, k)
-        out = [f"    {f'layouts at k = {k}:':<64} {'seqs':>4} {COLUMNS}"]
-        return out + [f"      {name:<62} {r.seqs:>4} {r.row()}" for name, r in rows]
+        g = self.per_domain
+        experts = plan.runs.sizer.config.get("num_experts", 0)
+        if not plan.runs.sizer.expert_parallel and experts and self.gpus > g and self.gpus % g == 0:
+            rows += self._other(i, k, f"DP{self.gpus // g} x TP{g} + EP{self.gpus}", g, self.gpus // g, True)
+        out = [f"    {f'layouts at k = {k}:':<76} {'seqs':>4} {COLUMNS}"]
+        return out + [f"      {name:<74} {r.seqs:>4} {r.row()}" if r else f"      {name:<74}    0  does not hold "
+                      "one sequence" for name, r in rows]
+
+    def _other(self, i: int, k: int, name: str, tp: int, groups: int,
+               expert_parallel: bool) -> list[tuple[str, RoundAt | None]]:
+        """Bucket i at k drafts on a layout of the job's GPUs it does not run ([]: its widths do not
+        split over its ranks; None: it holds no sequence): `groups` data-parallel groups of `tp`
+        ranks, the routed experts whole over all of them or cut across each group's, at the most
+        sequences a group holds (the latents split where the job splits them and the ranks can)."""
+        if name not in self.others:
+            runs = self.plan.runs
+            try:
+                sizer = Sizer(self.job, self.job_dir, tp, runs.sizer.setup, latent_split=runs.ways > 1, groups=groups,
+                              expert_parallel=expert_parallel)
+                if runs.ways > 1 and not sizer.can_split():
+                    sizer = Sizer(self.job, self.job_dir, tp, runs.sizer.setup, groups=groups,
+                                  expert_parallel=expert_parallel)
+            except JobError:
+                return []
+            base = held_besides_buckets(sizer.weights(), self.plan.fixed)
+            needs = [sizer.need(n.bucket) for n in runs.needs]
+            largest = [largest_fitting(base, sizer, n.bucket, self.plan.gpu) for n in runs.needs]
+            self.others[name] = Layout(sizer.split, needs, largest, sizer)
+        layout = self.others[name]
+        if not layout.largest[i]:
+            return [(f"{name} (weights {sum(layout.sizer.weights().values()) / GB:.0f} GB a GPU)", None)]
+        memory = self.memory(layout.sizer, i, layout.largest[i])
+        return [(f"{name} ({memory})", self.on(layout, i, layout.largest[i], k))]
+
+    def memory(self, sizer: Sizer, i: int, seqs: int) -> str:
+        """"w+c+b GB": a GPU's weights, caches and buffers (batch state, prefill and round activations)
+        for `seqs` sequences of bucket i on the sizer's layout."""
+        need = sizer.need(dataclasses.replace(self.plan.runs.needs[i].bucket, max_num_seqs=seqs))
+        weights = sum(sizer.weights().values())
+        return f"{weights / GB:.0f}+{need.caches / GB:.0f}+{(need.total - need.caches) / GB:.0f} GB"
 
 
-def roofline(plan: Plan, job: Job, job_dir: Path, hw: Hardware, alpha: list[float], per_domain: int) -> str:
-    """The roofline tables of `plan` (plan_job with_split) on `hw`."""
-    return Roofline(plan, job, job_dir, hw, alpha, per_domain).table()
+def roofline(plan: Plan, job: Job, job_dir: Path, hw: Hardware, alpha: list[float], per_domain: int,
+             imbalance: float = ASSUMED_IMBALANCE) -> str:
+    """The roofline tables of `plan` (plan_job with_split) on `hw`, an expert-parallel layout's hottest
+    rank at `imbalance` times the mean."""
+    return Roofline(plan, job, job_dir, hw, alpha, per_domain, imbalance).table()

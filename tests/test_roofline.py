@@ -4,7 +4,9 @@ the H200 job's counted work against a hand estimate written here from config.jso
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +19,7 @@ from dflash_batch.plan.hardware import HARDWARE, Hardware, hardware
 from dflash_batch.plan.roofline import (Floors, card_acceptance, expected_tokens, floors, link_bytes, memory_read,
                                         tokens_per_gpu)
 from dflash_batch.plan.work import Work
-from dflash_batch.sizing import plan_job
+from dflash_batch.sizing import ROUTED, Sizer, plan_job
 
 JOBS = Path(__file__).resolve().parent.parent / "jobs"
 
@@ -354,3 +356,42 @@ def test_a_job_of_pipeline_stages_is_planned_stage_by_stage(tiny_job, tmp_path):
     assert "stage 0 of 2: target layers 0-" in result.output and "stage 1 of 2: target layers " in result.output
     assert ", stage 1 of 2 (the fullest)" in result.output or ", stage 0 of 2 (the fullest)" in result.output
     assert "in the plan of this job with tensor_parallel_size 2 and pipeline_parallel_size 1" in result.output
+
+
+# -- experts across data-parallel groups ---------------------------------------------------------------
+def test_dispatch_and_combine_cross_the_nic_once_a_remote_group():
+    """A GPU sends its share of the rows to each of the other groups' peers (groups - 1 payloads) and
+    takes back the reduce-scatter of the sums ((groups - 1) / groups of the gathered partials)."""
+    assert link_bytes({"dispatch": 100, "combine": 300}, 8, 8, groups=3) == pytest.approx((0, 200 + 200))
+    assert link_bytes({"dispatch": 100, "combine": 300}, 8, 8) == (0, 0)  # one group: nothing crosses
+
+
+def test_the_h200_plan_sets_the_three_layouts_side_by_side_and_experts_serve_every_group(h200):
+    """The H200 job's plan prints TP16, 2 stages x TP8 and 2 data-parallel groups x TP8 with the routed
+    experts over all 16 GPUs, each with its seqs and floors (the EP row with a GPU's weights, caches and
+    buffers); an EP rank's routed FLOPs for s sequences a group are TP16's for the 2s sequences of both
+    groups, and its dispatch carries 1/8 of its group's latent rows to the other group a MoE layer."""
+    job, plan = h200
+    text = CliRunner().invoke(main, ["plan", str(JOBS / "kimi-k3-dflash2-h200.yaml")]).output
+    for bucket, seqs in (("0-8192", 171), ("8192-32768", 93)):
+        layouts = text.split(f"bucket {bucket}, {seqs} seqs (the job's)")[1].split("layouts at")[1].split("bucket")[0]
+        names = [line.split("(")[0].strip() for line in layouts.splitlines()[1:] if line.strip()]
+        assert names[0] == "TP16, with the MLA latents split 16 ways" and "2 stages x TP8, one micro-batch" in names
+        ep = next(line for line in layouts.splitlines() if "DP2 x TP8 + EP16 (" in line)
+        assert re.search(r"\(\d+\+\d+\+\d+ GB\)\s+\d+\s+3\.59", ep), ep
+    assert "the hottest rank's routed tokens 1.11x the mean (assumed" in text
+    ep = Sizer(job, JOBS, 8, plan.runs.sizer.setup, latent_split=True, groups=2, expert_parallel=True)
+    bucket, seqs, width = plan.runs.needs[0].bucket, 10, 5
+    routed_ep = ep.work(bucket, width).times(seqs).flops["target routed experts"]
+    routed_tp = plan.runs.sizer.work(bucket, width).times(2 * seqs).flops["target routed experts"]
+    assert routed_ep == pytest.approx(routed_tp, rel=0.01)
+    t = json.loads((JOBS / "models/moonshotai/Kimi-K3/config.json").read_text())["text_config"]
+    moe = t["num_hidden_layers"] - t["first_k_dense_replace"]
+    dispatched = ep.work(bucket, width).collectives["dispatch"]  # a sequence's rows: latent, ids, weights
+    assert dispatched == pytest.approx(moe * width / 8 * (t["routed_expert_hidden_size"] * 2
+                                                          + t["num_experts_per_token"] * (8 + 2)), rel=0.01)
+    # A round of 2 rows on an EP rank touches the experts both groups' 4 rows route to.
+    weights, one = ep.weights(), dataclasses.replace(bucket, max_num_seqs=1)
+    routed = weights[ROUTED]
+    assert ep.read(bucket, 1, 2) == memory_read(4, sum(weights.values()) - routed, routed, ep.need(one).caches,
+                                                t["num_experts"], t["num_experts_per_token"])

@@ -49,14 +49,17 @@ def memory_read(tokens: int, dense: int, routed: int, caches: int, experts: int 
     return dense + int(routed * share) + caches
 
 
-def link_bytes(collectives: dict[str, int], ranks: int, per_domain: int) -> tuple[float, float]:
+def link_bytes(collectives: dict[str, int], ranks: int, per_domain: int, groups: int = 1) -> tuple[float, float]:
     """(NVLink, NIC) bytes a GPU moves for these payloads (parallel.tallied's kinds) in a group of
     `ranks` GPUs, `per_domain` to an NVLink domain. Inside a domain of g GPUs a ring all-reduce
     moves 2(g-1)/g of its payload, a reduce-scatter (g-1)/g, an all-gather g-1 payloads; across N
     domains the hierarchical algorithms run the domain part on NVLink and the cross part on each
     GPU's NIC, over its 1/g share: all-reduce 2(N-1)/N of payload/g, reduce-scatter (N-1)/N of it,
     all-gather N-1 payloads (then g-1 of the N gathered on NVLink). The domains are equal: a
-    group that does not fill each of its domains is refused."""
+    group that does not fill each of its domains is refused. Between `groups` data-parallel groups
+    (a domain each, parallel.dispatch and combine), a GPU's NIC carries its share of the rows to
+    each other group, groups - 1 payloads, and the reduce-scatter of the sums back, (groups-1)/groups
+    of its payload."""
     g = min(ranks, per_domain)
     if ranks % g:
         raise ValueError(f"{ranks} ranks do not fill NVLink domains of {per_domain} GPUs evenly")
@@ -72,6 +75,10 @@ def link_bytes(collectives: dict[str, int], ranks: int, per_domain: int) -> tupl
         elif kind == "all_gather":
             nvlink += (g - 1) * n * payload
             nic += (n - 1) * payload
+        elif kind == "dispatch":
+            nic += (groups - 1) * payload
+        elif kind == "combine":
+            nic += (groups - 1) / groups * payload
         else:
             raise ValueError(f"a collective of kind {kind!r} has no traffic formula")
     return nvlink, nic
@@ -102,10 +109,11 @@ class Floors:
                    key=lambda kv: kv[1])[0]
 
 
-def floors(read: int, work: Work, hw: Hardware, dtype: str, ranks: int, per_domain: int) -> Floors:
+def floors(read: int, work: Work, hw: Hardware, dtype: str, ranks: int, per_domain: int, groups: int = 1) -> Floors:
     """A rank's floors for a round that reads `read` bytes and does `work`, on `hw`, the model in
-    `dtype`, in a group of `ranks` GPUs `per_domain` to an NVLink domain."""
-    nvlink, nic = link_bytes(work.collectives, ranks, per_domain)
+    `dtype`, in a group of `ranks` GPUs `per_domain` to an NVLink domain, one of `groups`
+    data-parallel groups."""
+    nvlink, nic = link_bytes(work.collectives, ranks, per_domain, groups)
     return Floors(read / (hw.hbm_tbps * 1e12), work.total_flops / hw.peak(dtype),
                   nvlink / (hw.nvlink_gbps * 1e9), nic / (hw.nic_gbps * 1e9))
 

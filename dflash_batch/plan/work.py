@@ -72,8 +72,8 @@ class _Counting(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         formula = flop_registry.get(func._overloadpacket)
-        if formula is not None:
-            self.flops[self.where[-1]] += formula(*args, **kwargs, out_val=out)
+        if formula is not None:  # a rank's share where all ranks run it together (parallel.work_share)
+            self.flops[self.where[-1]] += formula(*args, **kwargs, out_val=out) * parallel.work_fraction()
         return out
 
 

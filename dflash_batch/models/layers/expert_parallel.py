@@ -166,10 +166,7 @@ def sharded_experts(experts: nn.Module, table: ExpertTable, latent: torch.Tensor
     rows = latent.shape[0]
     x, every_id, every_weight = parallel.dispatch(latent), parallel.dispatch(ids), parallel.dispatch(weights)
     slot, weight = table.routes(every_id, every_weight)
-    if x.is_meta:  # the plan (no routing to read): this rank's even share of the routes, zeros for the rest
-        share = -(-x.shape[0] // parallel.expert_rank()[1])
-        out = torch.cat([experts(x[:share], slot[:share], weight[:share]), x.new_zeros(x.shape[0] - share,
-                                                                                         x.shape[1])])
-    else:
+    # The plan (no routing to read on the meta device) counts this rank's even share of every route.
+    with parallel.work_share(1 / parallel.expert_rank()[1] if x.is_meta else 1.0):
         out = experts(x, slot, weight)
     return parallel.combine(out, rows)
