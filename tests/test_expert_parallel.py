@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -241,6 +243,42 @@ def test_a_group_killed_stops_every_rank_within_a_minute_and_resume_commits_each
         logs[0][-3000:]
     assert 0 < len(read_out(tmp_path / "out")) < 32
     run_tp1(groups)  # the resume: `dflash-batch run` starts both groups' ranks itself
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    run_tp1(job(whole))
+    assert_rows_equal_tp1(*rows_of_any_shard(tmp_path / "out", whole / "out"))
+    keys = [(r["row_id"], r["sample_index"]) for r in read_out(tmp_path / "out")]
+    assert len(keys) == len(set(keys)) == 32
+
+
+@pytest.mark.slow
+def test_a_preempted_run_of_groups_stops_every_group_and_resumes_each_row_once(cli_pair, tmp_path):
+    """SIGTERM (Slurm's preemption) to `dflash-batch run` of two data-parallel groups with the experts
+    across both, once rows are committed: every rank stops at a row of its group's, a group that stopped
+    first serving the other's experts until it has, and the run exits 143; the resumed run ends with
+    one process's rows, each committed once."""
+    def job(where: Path, **model) -> Path:
+        path = kimi_job(where, cli_pair, "out", rows=16, max_new_tokens=32, rows_per_part=1)
+        doc = yaml.safe_load(path.read_text())
+        doc["model"].update(model)
+        path.write_text(yaml.safe_dump(doc))
+        return path
+
+    groups = job(tmp_path, data_parallel_size=2, expert_parallel=True)
+    run = subprocess.Popen([*CLI, "run", str(groups), "--no-progress"], cwd=ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    while not read_out(tmp_path / "out") and time.monotonic() < deadline and run.poll() is None:
+        time.sleep(0.2)
+    run.send_signal(signal.SIGTERM)
+    log = run.communicate(timeout=300)[0]
+    assert run.returncode == 143, log[-3000:]
+    assert "terminated: finished rows are committed" in log, log[-3000:]
+    assert "error" not in log, log[-3000:]  # no group left waiting on one that stopped without serving it
+    progress = [json.loads(p.read_text()) for p in sorted((tmp_path / "out" / "progress").glob("shard-*.json"))]
+    assert [p["state"] for p in progress] == ["stopped", "stopped"], progress
+    assert 0 < len(read_out(tmp_path / "out")) < 32
+    run_tp1(groups)
     whole = tmp_path / "whole"
     whole.mkdir()
     run_tp1(job(whole))

@@ -43,7 +43,7 @@ def test_an_indexed_job_whose_indices_are_the_shards():
     job = load_job(_job_file(container))
     shards = [resolve_shard(job.sharding, {**env, "JOB_COMPLETION_INDEX": str(i)}) for i in range(spec["completions"])]
     assert shards == [Shard(i, spec["completions"]) for i in range(spec["completions"])]
-    assert container["resources"]["limits"]["nvidia.com/gpu"] == job.model.ranks  # TP x PP, all in the pod
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == job.model.ranks  # TP x PP x DP, all in the pod
 
 
 def test_failures_evictions_and_the_grace_to_commit():
