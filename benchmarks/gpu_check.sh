@@ -54,7 +54,7 @@ add "&kimi_checkpoints" 200 first "the Kimi-K3 pair's checkpoints written (besid
   "$PY benchmarks/kimi_gpu_check.py --dir /tmp/kimi_pair --make-only"
 add torch_qwen 50 first "Qwen3 pair, torch backend: GPU tokens == CPU tokens; graphs == eager, greedy and sampled (TP2 and PP2 over NCCL too where there are two GPUs, PP2 captured and in two lanes)" \
   "$GPU_TEST -k 'torch_backend or tp2 or pp2'"
-add torch_kimi 90 first "Kimi-K3 pair (fla KDA, Triton MoE and AttnRes): fla chunked == fp64 within the TF32 bound; GPU == CPU tokens; graphs == eager; spec greedy == target greedy under graphs" \
+add torch_kimi 90 first "Kimi-K3 pair (fla KDA, Triton MoE and AttnRes): fla chunked == fp64 within the TF32 bound; GPU == CPU tokens; graphs == eager; spec greedy == target greedy under graphs (and where there are two GPUs: two data-parallel groups with the experts over both, dispatched over NCCL, == one GPU)" \
   "$GPU_TEST -k 'kimi or kda'"
 add flashinfer 80 first "flashinfer GQA and MLA == torch backend on the same caches; the latent split's halves merged by their log-sum-exps == the whole cache under a graph; engine == torch engine; graphs == eager; spec greedy == target greedy under graphs" \
   "FLASHINFER_DISABLE_JIT=1 $GPU_TEST -k flashinfer"

@@ -162,10 +162,13 @@ def resolve_engine(job: Job, cuda: bool | None = None, flashinfer: bool | None =
     # Under tensor parallelism every rank captures the same rounds, NCCL collectives inside them.
     # flashinfer lays a round out whole, so micro-batches run as lanes (engine/lanes.py), eagerly.
     lanes = e.micro_batches > 1 and backend == "flashinfer"
+    groups_agree = job.model.expert_parallel and job.model.data_parallel_size > 1
     why_no_graphs = (
         "they need a CUDA device (this host has none, or engine.backend is torch)" if device != "cuda" else
         host_reads or (f"engine.micro_batches {e.micro_batches} on flashinfer runs rounds in lanes, eagerly"
-                       if lanes else None))
+                       if lanes else None)
+        or ("model.expert_parallel across data-parallel groups agrees each forward's rows on the host (a "
+            "captured round padded to its size instead: not yet)" if groups_agree else None))
     if e.cuda_graphs and why_no_graphs:
         raise JobError(f"engine.cuda_graphs: true cannot take effect: {why_no_graphs}")
     graphs = why_no_graphs is None if e.cuda_graphs is None else e.cuda_graphs

@@ -191,10 +191,19 @@ def test_experts_across_ranks_are_placed_or_refused_before_loading(checkpoints, 
     """model.expert_parallel: the default placement over data_parallel_size x tensor_parallel_size
     ranks; a placement file that matches; refused, naming the field, on a dense target, on experts
     that do not split over the ranks, and for a placement file made for other ranks or replicas."""
-    (checkpoints / "kimi" / "config.json").write_text(json.dumps(
-        {"architectures": ["KimiK3ForConditionalGeneration"], "text_config": {"num_experts": 8}}))
+    for name in ("kimi", "kimi_mxfp4"):
+        config = json.loads((checkpoints / name / "config.json").read_text())
+        config["text_config"]["num_experts"] = 8
+        (checkpoints / name / "config.json").write_text(json.dumps(config))
     setup = resolve_engine(expert_job(checkpoints, tp=2, data_parallel_size=2, expert_parallel=True), **CPU)
     assert (setup.expert_placement.ranks, setup.expert_placement.slots) == (4, 2)
+    # Rows agreed on the host each forward: a GPU runs such rounds eagerly, and refuses graphs asked for.
+    gpu = resolve_engine(expert_job(checkpoints, "kimi_mxfp4", data_parallel_size=2, expert_parallel=True), **GPU)
+    assert gpu.cuda_graphs is False and resolve_engine(expert_job(checkpoints, "kimi_mxfp4"), **GPU).cuda_graphs
+    with pytest.raises(JobError, match="cuda_graphs: true cannot take effect: model.expert_parallel across"):
+        doc = expert_job(checkpoints, "kimi_mxfp4", data_parallel_size=2, expert_parallel=True).model_dump(mode="json")
+        doc["engine"]["cuda_graphs"] = True
+        resolve_engine(parse_job(doc), **GPU)
     assert "expert_parallel=4 ranks x 2 slots" in setup.describe()
     assert resolve_engine(expert_job(checkpoints, tp=2), **CPU).expert_placement is None
     placement = Placement(8, 2, 1, {1: place(list(range(8)), 2, 1)})
