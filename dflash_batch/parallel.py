@@ -550,10 +550,13 @@ def dispatch(x: torch.Tensor) -> torch.Tensor:
     share = -(-_step_rows // size)
     padded = x.new_zeros((share * size, *x.shape[1:]))
     padded[:x.shape[0]] = x
+    mine = padded[rank() * share:(rank() + 1) * share]
+    _add("dispatch", mine)
     across = x.new_empty((groups, share, *x.shape[1:]))
-    _gather_single(across, padded[rank() * share:(rank() + 1) * share], _data.peers)
+    _gather_single(across, mine, _data.peers)
     if size == 1:
         return across.flatten(0, 1)
+    _add("all_gather", across)
     whole = x.new_empty((size, groups, share, *x.shape[1:]))
     _gather_single(whole, across, _group())
     return whole.movedim(0, 1).flatten(0, 2)  # [groups, ranks' shares, ...]
@@ -574,10 +577,16 @@ def combine(x: torch.Tensor, rows: int) -> torch.Tensor:
         _add("combine", x, 1 / size)
         return x[:rows]
     shares = x.unflatten(0, (groups, size, -1)).movedim(1, 0).contiguous()  # [ranks, groups, share, ...]
-    shares = _reduce_scatter_first(shares, rank(), _group()) if size > 1 else shares[0]
+    if size > 1:
+        _add("reduce_scatter", shares)
+        shares = _reduce_scatter_first(shares, rank(), _group())
+    else:
+        shares = shares[0]
+    _add("combine", shares)
     mine = _reduce_scatter_first(shares.contiguous(), _data.index, _data.peers)
     if size == 1:
         return mine[:rows]
+    _add("all_gather", mine)
     whole = x.new_empty((size, *mine.shape))
     _gather_single(whole, mine, _group())
     return whole.flatten(0, 1)[:rows]

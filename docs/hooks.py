@@ -63,10 +63,13 @@ def cli_reference(group: click.Group) -> str:
     """Each command's --help, as `dflash-batch COMMAND --help` prints it."""
     out = ["# CLI reference", "", "Generated from the commands themselves (`dflash-batch COMMAND --help`).", ""]
     root = click.Context(group, info_name="dflash-batch")
-    for name in sorted(group.commands):
-        command = group.commands[name]
-        with click.Context(command, info_name=name, parent=root) as ctx:
+    commands = [(name, group.commands[name], root) for name in sorted(group.commands)]
+    while commands:
+        name, command, parent = commands.pop(0)
+        with click.Context(command, info_name=name.split()[-1], parent=parent) as ctx:
             out += [f"## dflash-batch {name}", "", "```text", command.get_help(ctx), "```", ""]
+            if isinstance(command, click.Group):  # its subcommands next (`experts place`)
+                commands[:0] = [(f"{name} {sub}", command.commands[sub], ctx) for sub in sorted(command.commands)]
     return "\n".join(out)
 
 
