@@ -126,6 +126,17 @@ def test_dp2_tp1_with_experts_across_ranks_equals_one_process(pair, tmp_path, ki
 
 @pytest.mark.numerics
 @pytest.mark.no_rerun
+def test_experts_stored_unpacked_are_sharded_the_same(tmp_path):
+    """The pair's routed experts stored in bfloat16, not MXFP4 (DenseExperts: whole experts a slot)."""
+    unpacked = make_kimi_pair(tmp_path / "pair", stream="attn_res", expert_format="bf16")
+    max_new = [24] * len(PROMPTS)
+    got = decode(unpacked, tmp_path, 2, 2, "moved", max_new)
+    assert_same_rows(got, expected(unpacked, max_new))
+    assert all(len({n.split(".experts.")[1].split(".")[0] for n in r["read"] if ".experts." in n}) == 4 for r in got)
+
+
+@pytest.mark.numerics
+@pytest.mark.no_rerun
 def test_a_group_done_30_rounds_early_serves_the_other_to_the_end(pair, tmp_path):
     max_new = [4, 96, 4, 96]  # group 0: prompts 0 and 2, done in a round or two; group 1 decodes on
     got = decode(pair, tmp_path, 2, 2, "default", max_new)
