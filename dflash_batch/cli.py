@@ -440,6 +440,9 @@ def plan_command(job_file: str, gpu_memory: str | None, gpus_per_node: int | Non
                 hw.peak(job.model.dtype)
             except ValueError as e:
                 raise JobError(f"roofline: {e}; --no-roofline plans memory alone") from None
+        if routing_dir is not None and hw is None:
+            raise JobError(f"--routing is for the roofline: name the GPU ({', '.join(HARDWARE)}) with "
+                           "--gpu-memory or engine.gpu_memory, and leave --no-roofline out")
         if acceptance_dir is not None and hw is None:
             raise JobError(f"--acceptance is for the roofline: name the GPU ({', '.join(HARDWARE)}) with "
                            "--gpu-memory or engine.gpu_memory, and leave --no-roofline out")
@@ -468,8 +471,8 @@ def plan_command(job_file: str, gpu_memory: str | None, gpus_per_node: int | Non
             imbalance = ASSUMED_IMBALANCE if routing_dir is None else _measured_imbalance(routing_dir, plan.tp * stages
                                                                                         * job.model.data_parallel_size)
             click.echo(roofline_tables(plan, job, job_dir, hw, alpha, per_domain, imbalance))
-            click.echo(f"expert-parallel layouts: the hottest rank's routed tokens {imbalance:.2f}x the mean "
-                       + ("(assumed; --routing RUN_DIR measures it)" if routing_dir is None else f"(from {routing_dir})"))
+            source = "assumed; --routing RUN_DIR measures it" if routing_dir is None else f"from {routing_dir}"
+            click.echo(f"expert-parallel layouts: the hottest rank's routed tokens {imbalance:.2f}x the mean ({source})")
         elif hw is not None:
             click.echo("roofline: none, the job does not fit")
         elif roofline:

@@ -27,7 +27,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dflash_batch.io.ledger import array_spec, list_sums, part_files, read_part, speculation
-from dflash_batch.models.layers.expert_parallel import imbalance, place
+from dflash_batch.models.layers.expert_parallel import default_placement, imbalance, place
 from dflash_batch.plan.experts import routed_counts
 
 COLUMNS = ["row_id", "sample_index", "status", "finish_reason", "prompt_tokens", "completion_tokens", "bucket",
@@ -184,8 +184,9 @@ def _experts(out_dir: Path) -> dict | None:
     layers = {}
     for layer, counts in routed_counts(out_dir).items():
         if len(counts) % ranks == 0:
-            layers[str(layer)] = {"routed": sum(counts), "default": imbalance(counts, place([1] * len(counts), ranks, redundant)),
-                             "placed": imbalance(counts, place(counts, ranks, redundant))}
+            default = default_placement(len(counts), ranks, redundant)
+            layers[str(layer)] = {"routed": sum(counts), "default": imbalance(counts, default),
+                                  "placed": imbalance(counts, place(counts, ranks, redundant))}
     return {"ranks": ranks, "layers": layers,
             "idle_forwards": {r["shard"]: r["experts"].get("idle_forwards", 0) for r in records}}
 

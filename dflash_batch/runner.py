@@ -270,8 +270,8 @@ def run_job(job: Job, engine_factory: EngineFactory, shard: Shard, progress: boo
                     run.stop.set()
                 with fewer_gc_passes():
                     written = run.run()
-                stats = (write_shard_stats(out_dir, shard.index, complete=True, inputs=inputs, schedule=schedules(engine),
-                                           experts=expert_stats(job, engine))
+                stats = (write_shard_stats(out_dir, shard.index, complete=True, inputs=inputs,
+                                           schedule=schedules(engine), experts=expert_stats(job, engine))
                          if parallel.run_rank() == 0 else {})
             except BaseException as e:
                 # Stats are recomputed from the committed parts; a failure writing them now (the

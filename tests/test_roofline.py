@@ -395,3 +395,27 @@ def test_the_h200_plan_sets_the_three_layouts_side_by_side_and_experts_serve_eve
     routed = weights[ROUTED]
     assert ep.read(bucket, 1, 2) == memory_read(4, sum(weights.values()) - routed, routed, ep.need(one).caches,
                                                 t["num_experts"], t["num_experts_per_token"])
+
+
+def test_the_expert_parallel_layout_takes_a_runs_measured_imbalance(tiny_job, tmp_path):
+    """--routing RUN_DIR: the hottest expert rank over the mean from a run's routing counts, placed
+    over the layout's ranks as `experts place` would, averaged over layers; the DP x TP + EP row is
+    the job's own (DP2 x TP1 + EP2, a GPU an NVLink domain)."""
+    from dflash_batch.models.layers.expert_parallel import imbalance, place
+
+    counts = {"1": [90, 5, 5, 40, 30, 10, 10, 10], "2": [1, 1, 1, 1, 1, 1, 1, 9]}
+    (tmp_path / "run" / "stats").mkdir(parents=True)
+    (tmp_path / "run" / "stats" / "shard-00000.json").write_text(json.dumps({"experts": {"routed_tokens": counts}}))
+    import yaml
+
+    doc = yaml.safe_load(tiny_job.read_text())
+    doc["model"].update(data_parallel_size=2, expert_parallel=True)
+    (tmp_path / "ep.yaml").write_text(yaml.safe_dump(doc))
+    out = CliRunner().invoke(main, ["plan", str(tmp_path / "ep.yaml"), "--gpus-per-node", "1",
+                                    "--routing", str(tmp_path / "run")])
+    assert out.exit_code == 0, out.output
+    want = sum(imbalance(c, place(c, 2)) for c in counts.values()) / 2
+    assert f"routed tokens {want:.2f}x the mean (from {tmp_path / 'run'})" in out.output
+    assert "DP2 x TP1 + EP2, without the MLA latents split (as run; " in out.output
+    refused = CliRunner().invoke(main, ["plan", str(tiny_job), "--no-roofline", "--routing", str(tmp_path / "run")])
+    assert refused.exit_code == 2 and "--routing is for the roofline" in refused.output

@@ -392,7 +392,6 @@ class KimiK3ForConditionalGeneration(nn.Module):
         self.hidden_size, self.vocab_size = text["hidden_size"], text["vocab_size"]
         self.num_layers, self.dtype = text["num_hidden_layers"], torch.get_default_dtype()
         self.expert_placement = text.get("expert_placement")  # None: routed experts cut across the ranks
-        self.experts_sharded = self.expert_placement is not None
         self.held = held_layers(self.num_layers, lambda: self._sizes(text))
         self.model = KimiLinearModel(text, self.held)
         if self.held.stop == self.num_layers:
@@ -438,6 +437,11 @@ class KimiK3ForConditionalGeneration(nn.Module):
             return name
         slot = table.checkpoint_slot(int(parts[5]))
         return None if slot is None else ".".join([*parts[:5], str(slot), *parts[6:]])
+
+    @property
+    def experts_sharded(self) -> bool:
+        """The routed experts whole over every rank of every data-parallel group (lockstep forwards)."""
+        return self.expert_placement is not None
 
     def moe_layers(self) -> dict[int, LatentMoE]:
         """This model's MoE layers by layer index."""

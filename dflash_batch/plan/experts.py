@@ -8,7 +8,7 @@ from pathlib import Path
 import orjson
 
 from dflash_batch.job import JobError
-from dflash_batch.models.layers.expert_parallel import Placement, imbalance, place
+from dflash_batch.models.layers.expert_parallel import Placement, default_placement, imbalance, place
 
 
 def routed_counts(out_dir: Path) -> dict[int, list[int]]:
@@ -32,6 +32,6 @@ def placement_of_run(out_dir: Path, ranks: int, redundant: int) -> tuple[Placeme
     if experts % ranks:
         raise JobError(f"--ranks {ranks}: the run's {experts} experts do not split evenly over them")
     layers = {layer: place(c, ranks, redundant) for layer, c in counts.items()}
-    default = place([1] * experts, ranks, redundant)
+    default = default_placement(experts, ranks, redundant)
     rows = [[layer, sum(c), imbalance(c, default), imbalance(c, layers[layer])] for layer, c in sorted(counts.items())]
     return Placement(experts, ranks, redundant, layers), rows

@@ -16,6 +16,7 @@ processing-time rule, within 4/3 of the optimum).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +40,7 @@ class Placement:
 
     def of_layer(self, layer: int) -> list[list[int]]:
         """The layer's placement; a layer the placement does not name gets the balanced default."""
-        return self.layers.get(layer) or place([1] * self.experts, self.ranks, self.redundant)
+        return self.layers.get(layer) or default_placement(self.experts, self.ranks, self.redundant)
 
     def to_json(self) -> dict:
         return {"experts": self.experts, "ranks": self.ranks, "redundant_experts": self.redundant,
@@ -75,6 +76,12 @@ class Placement:
         return None
 
 
+@functools.cache
+def default_placement(experts: int, ranks: int, redundant: int) -> list[list[int]]:
+    """The placement of no counts (every expert alike), made once for every layer that takes it."""
+    return place([1] * experts, ranks, redundant)
+
+
 def place(counts: list[int], ranks: int, redundant: int = 0) -> list[list[int]]:
     """Per rank, the experts it holds (sorted), balancing routed-token `counts` over `ranks` ranks
     of len(counts) / ranks + `redundant` slots each."""
@@ -87,11 +94,11 @@ def place(counts: list[int], ranks: int, redundant: int = 0) -> list[list[int]]:
         replicas[e] += 1
     pieces = sorted(((counts[e] / replicas[e], e) for e in range(experts) for _ in range(replicas[e])),
                     key=lambda p: (-p[0], p[1]))
-    slots, load, held = experts // ranks + redundant, [0.0] * ranks, [[] for _ in range(ranks)]
+    slots, load, held = experts // ranks + redundant, [0.0] * ranks, [set() for _ in range(ranks)]
     for share, e in pieces:
         r = min((r for r in range(ranks) if len(held[r]) < slots and e not in held[r]), key=lambda r: (load[r], r))
         load[r] += share
-        held[r].append(e)
+        held[r].add(e)
     return [sorted(h) for h in held]
 
 
@@ -120,8 +127,7 @@ def routing_stats(counts: dict[int, list[int]], ranks: int, redundant: int, used
     for layer, routed in counts.items():
         if len(routed) % ranks:
             continue
-        default = place([1] * len(routed), ranks, redundant)
-        loads[str(layer)] = {"default": imbalance(routed, default),
+        loads[str(layer)] = {"default": imbalance(routed, default_placement(len(routed), ranks, redundant)),
                              "this_run": None if used is None else imbalance(routed, used.of_layer(layer)),
                              "placed": imbalance(routed, place(routed, ranks, redundant))}
     return {"routed_tokens": {str(k): v for k, v in counts.items()}, "ranks": ranks, "redundant": redundant,
