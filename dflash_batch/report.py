@@ -173,14 +173,16 @@ def build_report(out_dir: Path, group_by: str | None = None, answer: str | None 
 
 
 def _experts(out_dir: Path) -> dict | None:
-    """A MoE target's routing, every shard's counts summed: per layer the hottest rank's load over
-    the mean on the run's expert ranks, by default and as `experts place` would place them, and
+    """A MoE target's routing on several expert ranks, every shard's counts summed: per layer the
+    hottest rank's load over the mean on them, by default and as `experts place` would place them, and
     the forwards each shard's group served for the others with no rows of its own."""
     records = [orjson.loads(p.read_bytes()) for p in sorted((out_dir / "stats").glob("shard-*.json"))]
     records = [r for r in records if (r.get("experts") or {}).get("routed_tokens")]
     if not records:
         return None
     ranks, redundant = records[0]["experts"]["ranks"], records[0]["experts"].get("redundant", 0)
+    if ranks == 1:  # one rank holds every expert: no load to balance
+        return None
     layers = {}
     for layer, counts in routed_counts(out_dir).items():
         if len(counts) % ranks == 0:
@@ -188,7 +190,7 @@ def _experts(out_dir: Path) -> dict | None:
             layers[str(layer)] = {"routed": sum(counts), "default": imbalance(counts, default),
                                   "placed": imbalance(counts, place(counts, ranks, redundant))}
     return {"ranks": ranks, "layers": layers,
-            "idle_forwards": {r["shard"]: r["experts"].get("idle_forwards", 0) for r in records}}
+            "idle_forwards": {str(r["shard"]): r["experts"].get("idle_forwards", 0) for r in records}}
 
 
 TURNS = ("turn_prompt_tokens", "turn_completion_tokens", "turn_spec_rounds", "turn_spec_accepted")

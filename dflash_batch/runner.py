@@ -83,7 +83,9 @@ class _Run:
         self.stop = threading.Event()
         self.running = self.committing = False  # where on_signal may stop the run at once
         self.signum = signal.SIGTERM  # the first stop signal's (the exit code says which)
-        self.ranks_agree = parallel.run_size() > 1  # several ranks: they agree on stopping
+        # Several ranks agree on stopping, at a committed row; data-parallel groups stop there too (never
+        # inside a forward whose dispatch the other groups wait on).
+        self.ranks_agree = parallel.run_size() > 1 or parallel.data_parallel()[1] > 1
 
     def _commit(self, rows: list[dict]) -> None:
         self.committing = True  # a SIGTERM now only sets stop: the check below acts on it
@@ -111,7 +113,7 @@ class _Run:
         """SIGTERM or SIGINT: stop. On one rank, at once: the rows finished so far are committed
         on the way out (run), however long the round or the row in progress would take.
         Tensor-parallel ranks stop at the next committed row instead, all at the same one (their
-        collectives match)."""
+        collectives match), and so does each data-parallel group (between forwards)."""
         if not self.stop.is_set():
             self.signum = signum
         self.stop.set()

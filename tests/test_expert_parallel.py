@@ -7,6 +7,7 @@ its experts' tensors; the routing counts are the routes of the tokens the group 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -277,12 +278,16 @@ def test_a_preempted_run_of_groups_stops_every_group_and_resumes_each_row_once(c
 
     groups = job(tmp_path, data_parallel_size=2, expert_parallel=True)
     run = subprocess.Popen([*CLI, "run", str(groups), "--no-progress"], cwd=ROOT, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 300
-    while not read_out(tmp_path / "out") and time.monotonic() < deadline and run.poll() is None:
-        time.sleep(0.2)
-    run.send_signal(signal.SIGTERM)
-    log = run.communicate(timeout=300)[0]
+                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not read_out(tmp_path / "out") and time.monotonic() < deadline and run.poll() is None:
+            time.sleep(0.2)
+        run.send_signal(signal.SIGTERM)
+        log = run.communicate(timeout=120)[0]  # every group stops at its next row: seconds
+    finally:  # a hang (a group stopped inside a forward the other waits on) must not outlive the test
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
     assert run.returncode == 143, log[-3000:]
     assert "terminated: finished rows are committed" in log, log[-3000:]
     assert "error" not in log, log[-3000:]  # no group left waiting on one that stopped without serving it
