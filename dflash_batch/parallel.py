@@ -321,6 +321,26 @@ def all_gather_last(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def _gather_single(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """out [n, *x.shape] = every rank's x, in the group's rank order (one all-gather into a tensor)."""
+    # all_gather_single is all_gather_into_tensor's newer name (torch 2.13 warns on the old one).
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out.flatten(0, 1), x.contiguous(),
+                                                                             group=group)
+
+
+def _reduce_scatter_first(x: torch.Tensor, index: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """x [n, ...] partial sums on each of the group's n ranks -> the sum of x[index], this rank's
+    (`index`: its place in the group)."""
+    if dist.get_backend(group) != "nccl":
+        # gloo's reduce-scatter is an all-reduce and a copy inside the op (a capture cannot replay
+        # it: tests/emulated_graphs.py): the all-reduce itself, this rank's chunk kept.
+        dist.all_reduce(x, group=group)
+        return x[index]
+    out = torch.empty(x.shape[1:], dtype=x.dtype, device=x.device)
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, x.contiguous(), group=group)
+    return out
+
+
 def all_gather_dim1(x: torch.Tensor) -> torch.Tensor:
     """[T, h, ...] on each rank -> [T, ranks * h, ...], ranks in order (query heads gathered for
     the latent split: rank r's heads are the model's r * h ..)."""
@@ -328,12 +348,10 @@ def all_gather_dim1(x: torch.Tensor) -> torch.Tensor:
     if n == 1:
         return x
     _add("all_gather", x)
-    parts = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)  # ranks' x, stacked
+    parts = torch.empty((n, *x.shape), dtype=x.dtype, device=x.device)  # ranks' x, stacked
     if _planned is None:
-        # all_gather_single is all_gather_into_tensor's newer name (torch 2.13 warns on the old one).
-        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(parts, x.contiguous(),
-                                                                             group=_group())
-    return parts.view(n, *x.shape).movedim(0, 1).flatten(1, 2)
+        _gather_single(parts, x, _group())
+    return parts.movedim(0, 1).flatten(1, 2)
 
 
 def reduce_scatter_dim1(x: torch.Tensor) -> torch.Tensor:
@@ -344,18 +362,7 @@ def reduce_scatter_dim1(x: torch.Tensor) -> torch.Tensor:
         return x
     _add("reduce_scatter", x)
     chunks = x.unflatten(1, (n, -1)).movedim(1, 0).contiguous()  # [ranks, T, h, ...]
-    if _planned is not None:
-        return chunks[0]
-    if dist.get_backend(_group()) != "nccl":
-        # gloo's reduce-scatter is an all-reduce and a copy inside the op (a capture cannot replay
-        # it: tests/emulated_graphs.py): the all-reduce itself, this rank's chunk kept.
-        dist.all_reduce(chunks, group=_group())
-        return chunks[rank()]
-    out = torch.empty(chunks.shape[1:], dtype=x.dtype, device=x.device)
-    # reduce_scatter_single is reduce_scatter_tensor's newer name (torch 2.13 warns on the old one).
-    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, chunks.flatten(0, 1),
-                                                                                 group=_group())
-    return out
+    return chunks[0] if _planned is not None else _reduce_scatter_first(chunks, rank(), _group())
 
 
 def _gathered_candidates(values: torch.Tensor, ids: torch.Tensor, *extra: torch.Tensor) -> torch.Tensor:
@@ -452,7 +459,8 @@ def agreed(value: int) -> int:
     if run_size() == 1:
         return value
     t = _flags(value)
-    dist.broadcast(t, _run_group()[1], group=_run_group()[0])
+    group, first = _run_group()
+    dist.broadcast(t, first, group=group)
     return int(t.item())
 
 
@@ -460,7 +468,8 @@ def agreed_tensor(t: torch.Tensor) -> torch.Tensor:
     """Rank 0's values of `t` on every rank of the run, in place (as agreed, for a tensor on the
     group's device)."""
     if run_size() > 1:
-        dist.broadcast(t, _run_group()[1], group=_run_group()[0])
+        group, first = _run_group()
+        dist.broadcast(t, first, group=group)
     return t
 
 
@@ -513,24 +522,6 @@ def expert_idle() -> int | None:
     _step_rows = int(t[0].item())
     idle_forwards += 1
     return _step_rows
-
-
-def _gather_single(out: torch.Tensor, x: torch.Tensor, group: dist.ProcessGroup | None) -> None:
-    """out [n, *x.shape] = every rank's x, in the group's rank order."""
-    # all_gather_single is all_gather_into_tensor's newer name (torch 2.13 warns on the old one).
-    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out.flatten(0, 1), x.contiguous(),
-                                                                             group=group)
-
-
-def _reduce_scatter_first(x: torch.Tensor, index: int, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """x [n, ...] partial sums on each of the group's n ranks -> the sum of x[index], this rank's
-    (`index`: its place in the group)."""
-    if dist.get_backend(group) != "nccl":  # gloo's reduce-scatter is an all-reduce inside (reduce_scatter_dim1)
-        dist.all_reduce(x, group=group)
-        return x[index]
-    out = torch.empty(x.shape[1:], dtype=x.dtype, device=x.device)
-    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, x.contiguous(), group=group)
-    return out
 
 
 def dispatch(x: torch.Tensor) -> torch.Tensor:

@@ -181,9 +181,10 @@ def cli_pair(tmp_path_factory) -> tuple[Path, Path]:
     return make_cli_kimi_pair(tmp_path_factory.mktemp("kimi_ep_cli"))
 
 
-def ep_job(tmp_path: Path, cli_pair, out: str, **model) -> Path:
-    """tests/test_multinode.py's job (greedy and sampled rows, 2 samples, logprobs) with `model` set."""
-    path = kimi_job(tmp_path, cli_pair, out)
+def ep_job(tmp_path: Path, cli_pair, out: str, rows: dict | None = None, **model) -> Path:
+    """tests/test_multinode.py's job (greedy and sampled rows, 2 samples, logprobs; `rows`: its
+    kimi_job settings) with `model` set."""
+    path = kimi_job(tmp_path, cli_pair, out, **(rows or {}))
     doc = yaml.safe_load(path.read_text())
     doc["model"].update(model)
     path.write_text(yaml.safe_dump(doc))
@@ -196,6 +197,9 @@ def rows_of_any_shard(groups: Path, one: Path) -> tuple[list[dict], list[dict]]:
     rows = stable_rows(groups)
     assert {r["shard_index"] for r in rows} == {0, 1}
     return [[{k: v for k, v in r.items() if k != "shard_index"} for r in rs] for rs in (rows, stable_rows(one))]
+
+
+LONG_ROWS = dict(rows=16, max_new_tokens=32, rows_per_part=1)  # runs long enough to stop midway
 
 
 @pytest.mark.slow
@@ -240,11 +244,7 @@ def test_a_group_killed_stops_every_rank_within_a_minute_and_resume_commits_each
     killed outright once rows are committed: both launches exit non-zero within 60 s, group 0's rank
     naming itself; a resumed run (one launch) ends with one process's rows, each committed once."""
     def job(where: Path, **model) -> Path:
-        path = kimi_job(where, cli_pair, "out", rows=16, max_new_tokens=32, rows_per_part=1)
-        doc = yaml.safe_load(path.read_text())
-        doc["model"].update(model)
-        path.write_text(yaml.safe_dump(doc))
-        return path
+        return ep_job(where, cli_pair, "out", LONG_ROWS, **model)
 
     groups = job(tmp_path, data_parallel_size=2, expert_parallel=True)
     port = free_port()
@@ -270,11 +270,7 @@ def test_a_preempted_run_of_groups_stops_every_group_and_resumes_each_row_once(c
     first serving the other's experts until it has, and the run exits 143; the resumed run ends with
     one process's rows, each committed once."""
     def job(where: Path, **model) -> Path:
-        path = kimi_job(where, cli_pair, "out", rows=16, max_new_tokens=32, rows_per_part=1)
-        doc = yaml.safe_load(path.read_text())
-        doc["model"].update(model)
-        path.write_text(yaml.safe_dump(doc))
-        return path
+        return ep_job(where, cli_pair, "out", LONG_ROWS, **model)
 
     groups = job(tmp_path, data_parallel_size=2, expert_parallel=True)
     run = subprocess.Popen([*CLI, "run", str(groups), "--no-progress"], cwd=ROOT, stdout=subprocess.PIPE,
